@@ -1,0 +1,49 @@
+# mgpu: `make run` trains the default experiment, `make test` runs the suite. `make help` lists all.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch; a machine with GPUs may pass its own, e.g. `make TORCH=torch==2.11.0`.
+TORCH ?= torch==2.13.0
+MLFLOW_PORT ?= 5000
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install run sweep test test-fast lint ui bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install mgpu with its dependencies
+
+run: install ## train the default experiment (2 processes, DDP, digits) and record it in MLflow
+	$(PY) -m mgpu $(ARGS)
+
+sweep: install ## an example sweep: strategy single/ddp x two learning rates, one MLflow parent run
+	$(PY) -m mgpu -m experiment=lr_sweep $(ARGS)
+
+test: lint ## ruff, then the whole suite (unit, distributed and end-to-end tests)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: install ## unit tests only (no process groups, no CLI runs)
+	$(PY) -m pytest -q -m "not dist and not slow" $(ARGS)
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check mgpu tests scripts
+
+ui: install ## serve the MLflow UI for ./mlflow.db on http://127.0.0.1:$(MLFLOW_PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --host 127.0.0.1 \
+		--port $(MLFLOW_PORT) --workers 1 \
+		--backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}
+
+bench: install ## benchmarks, side by side in one run; writes bench-report.json
+	$(PY) scripts/bench.py --out bench-report.json $(ARGS)
+
+clean: ## remove outputs, the local MLflow store and caches (keeps .venv)
+	rm -rf outputs multirun mlruns mlflow.db bench-report.json .pytest_cache .ruff_cache

@@ -1,0 +1,121 @@
+"""`python -m mgpu`: compose → validate → track → launch → finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from mgpu import launch, tracking, worker
+from mgpu.config import GROUPS, instantiate_settings, prepare
+from mgpu.errors import ConfigError, RunFailed
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def app(cfg: DictConfig) -> float:
+    try:
+        return run_job(cfg)
+    except (ConfigError, RunFailed) as e:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # Hydra records the failed job and goes on with the sweep
+        exit_with(e)
+
+
+def run_job(cfg: DictConfig) -> float:
+    hydra_cfg = HydraConfig.get()
+    tagged = (*GROUPS, "experiment")
+    choices = {g: str(o) for g, o in hydra_cfg.runtime.choices.items() if g in tagged and o}
+    overrides = list(hydra_cfg.overrides.task)
+    torchrun = launch.torchrun_world()
+    job = prepare(cfg, torch.cuda.device_count(), torchrun)
+    if torchrun:
+        summary = worker.main_under_torchrun(job, choices, overrides)
+        return summary["eval/accuracy"]
+
+    uri = job["tracking"]["uri"]
+    run_id = tracking.start_job_run(job, choices, overrides) if job["tracking"]["enabled"] else None
+    network = instantiate_settings(job["network"])
+    try:
+        results = launch.launch(job, run_id, network.env())
+    except BaseException as e:
+        failed = isinstance(e, ChildFailedError)
+        error = launch.describe_failure(e, job) if failed else f"{type(e).__name__}: {e}"
+        if run_id:
+            tracking.finish_run(uri, run_id, "FAILED" if failed else "KILLED", error=error)
+        if failed:
+            raise RunFailed(f"{error} (logs: {job['output_dir']}/logs)") from None
+        raise
+    summary = results[min(results)]
+    if run_id:
+        tracking.finish_run(uri, run_id, "FINISHED")
+    report(job, run_id, summary)
+    return summary["eval/accuracy"]
+
+
+def report(job: dict, run_id: str | None, summary: dict[str, float]) -> None:
+    """Write summary.json and tell the user where the results are and how to open them."""
+    out = Path(job["output_dir"])
+    (out / "summary.json").write_text(json.dumps({"run_id": run_id, **summary}, indent=2))
+    print(
+        f"mgpu: done. eval/accuracy {summary['eval/accuracy']:.4f}, "
+        f"{summary.get('train/samples_per_s', 0):,.0f} samples/s\n"
+        f"  outputs: {out} (model.pt, summary.json, logs/)"
+    )
+    if run_id:
+        print(
+            f"  MLflow:  run {run_id} in experiment '{job['tracking']['experiment']}' "
+            f"at {job['tracking']['uri']}\n"
+            f"  open:    make ui, then http://127.0.0.1:5000/#/experiments/ (run list)"
+        )
+
+
+def one_line(error: BaseException) -> str:
+    """A user mistake as one line: what Hydra and OmegaConf say, without their tracebacks."""
+    if isinstance(error, MissingConfigException) and error.options:
+        first = str(error).strip().splitlines()[0]
+        return f"{first}; available: {', '.join(error.options)}"
+    parts = [str(error)]
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        parts.append(cause.msg)
+        if getattr(cause, "full_key", None):
+            parts.append(f"key: {cause.full_key}")
+    lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
+    return "; ".join(dict.fromkeys(lines))
+
+
+def main() -> None:
+    """Entry point: user mistakes end as one line and a non-zero exit, bugs as a traceback."""
+    show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach this handler instead of Hydra's
+    try:
+        app()
+    except (ConfigError, RunFailed, HydraException, OmegaConfBaseException) as e:
+        tracking.end_sweep_run("FAILED")
+        if show_traceback:
+            raise
+        exit_with(e)
+    except BaseException:
+        tracking.end_sweep_run("FAILED")
+        raise
+
+
+def exit_with(error: BaseException) -> NoReturn:
+    kind = "run failed" if isinstance(error, RunFailed) else "config error"
+    print(f"mgpu: {kind}: {one_line(error)}", file=sys.stderr)
+    sys.exit(1 if isinstance(error, RunFailed) else 2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Gradient compression: what a data-parallel strategy sends on the wire."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import nn
+
+
+class Compression(Protocol):
+    def validate(self, job: dict) -> None:
+        """Raise ConfigError where the strategy cannot carry this compression."""
+
+    def register(self, model: nn.Module) -> None:
+        """Install the compression on the wrapped model (a DDP comm hook, say)."""
+
+    def state_dict(self) -> dict:
+        """Per-rank state (error-feedback residuals, ...) for checkpoints."""
+
+    def load_state_dict(self, state: dict) -> None: ...

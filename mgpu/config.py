@@ -1,0 +1,261 @@
+"""Root schema and validation: everything that can be wrong with a config fails here.
+
+Hydra composes `conf/config.yaml` against the schema below, so unknown root keys and wrong
+types fail at composition. Group nodes (strategy, model, ...) have no dataclass of their own:
+the constructor of their `_target_` is their schema, checked by `check_group`. `prepare` then
+runs the cross-group rules and resolves the config once into the plain dict every worker gets.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mgpu.errors import ConfigError
+
+GROUPS = ("strategy", "precision", "compression", "network", "balance", "model", "data", "optim")
+FAULT_MODES = ("exception", "sigkill")
+
+
+@dataclass
+class TrainConf:
+    steps: int = 500  # optimizer steps
+    grad_accum: int = 1  # micro-batches per optimizer step
+    warmup_steps: int = 20  # steps left out of throughput and step-time figures
+    log_every: int = 25  # steps between metric points
+
+
+@dataclass
+class EvalConf:
+    every_steps: int = 100  # 0 = only at the end
+    batch_size: int = 512  # per rank
+
+
+@dataclass
+class LaunchConf:
+    nproc_per_node: str = "auto"  # "auto" or a positive integer
+    nnodes: str = "1"  # "N" or "MIN:MAX"
+    rdzv_endpoint: str = ""  # host:port; empty = this machine on a free port
+    max_restarts: int = 0
+    timeout_s: int = 300  # collective timeout in seconds
+
+
+@dataclass
+class TrackingConf:
+    enabled: bool = True
+    uri: str | None = None
+    experiment: str = "mgpu"
+    run_name: str | None = None
+
+
+@dataclass
+class FaultConf:
+    mode: str | None = None  # None | exception | sigkill
+    kill_rank: int = 0
+    at_step: int = 0
+
+
+@dataclass
+class MgpuConfig:
+    seed: int = 0
+    output_dir: str = MISSING
+    train: TrainConf = field(default_factory=TrainConf)
+    eval: EvalConf = field(default_factory=EvalConf)
+    launch: LaunchConf = field(default_factory=LaunchConf)
+    tracking: TrackingConf = field(default_factory=TrackingConf)
+    fault: FaultConf = field(default_factory=FaultConf)
+    strategy: Any = MISSING
+    precision: Any = MISSING
+    compression: Any = MISSING
+    network: Any = MISSING
+    balance: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: Any = MISSING
+
+
+ConfigStore.instance().store(name="mgpu_schema", node=MgpuConfig)
+
+
+def import_target(path: str) -> Any:
+    """The class or function a `_target_` string names."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"_target_={path}: cannot import it ({e})") from None
+
+
+def _signature_schema(target: Any, skip: set[str]) -> type:
+    """A dataclass mirroring the constructor's keyword arguments, for OmegaConf to type-check."""
+    hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    fields = []
+    for name, p in inspect.signature(target).parameters.items():
+        if name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        default = MISSING if p.default is p.empty else p.default
+        if isinstance(default, (list, dict, tuple)):  # mutable defaults need a factory
+            default = field(default_factory=lambda d=default: copy.deepcopy(_listify(d)))
+        fields.append((name, hints.get(name, Any), default))
+    return dataclasses.make_dataclass(f"{target.__name__}Schema", fields)
+
+
+def _listify(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_group(group: str, node: dict, runtime_args: tuple[str, ...] = ()) -> dict:
+    """Check a group node against its `_target_`'s constructor; return it with types converted.
+
+    `runtime_args` are constructor arguments the worker supplies (e.g. a model's input shape),
+    which the YAML must not set.
+    """
+    target_path = node.get("_target_")
+    if not target_path:
+        raise ConfigError(f"{group}: no _target_; each option names the class that implements it")
+    target = import_target(target_path)
+    params = inspect.signature(target).parameters
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = [k for k, p in params.items() if k not in runtime_args and p.kind in kinds]
+    for key in node:
+        if key != "_target_" and key not in valid:
+            raise ConfigError(
+                f"{group}.{key}: unknown key for {group} option {target.__name__}; "
+                f"valid keys: {', '.join(valid) or '(none)'}"
+            )
+    schema = OmegaConf.structured(_signature_schema(target, set(runtime_args)))
+    values = {k: v for k, v in node.items() if k != "_target_"}
+    try:
+        checked = OmegaConf.merge(schema, values)
+    except OmegaConfBaseException as e:
+        key = f"{group}.{getattr(e, 'full_key', '') or ''}".rstrip(".")
+        raise ConfigError(f"{key}={getattr(e, 'value', '?')}: {e.msg.splitlines()[0]}") from None
+    return {"_target_": target_path, **OmegaConf.to_container(checked)}
+
+
+def _positive(key: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key}={value}: must be >= {minimum}")
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """`launch.nnodes` as (min, max): "2" → (2, 2), "1:4" → (1, 4)."""
+    try:
+        lo, _, hi = str(value).partition(":")
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"launch.nnodes={value}: use N or MIN:MAX with 1 <= MIN <= MAX")
+    return bounds
+
+
+def resolve_nproc(value: str, fixed: int | None, cuda_devices: int) -> int:
+    """`launch.nproc_per_node` as a number: auto = the strategy's fixed size, else GPUs, else 2."""
+    if str(value) == "auto":
+        return fixed or cuda_devices or 2
+    try:
+        nproc = int(value)
+    except ValueError:
+        raise ConfigError(
+            f"launch.nproc_per_node={value}: use a positive integer or auto"
+        ) from None
+    _positive("launch.nproc_per_node", nproc)
+    return nproc
+
+
+def check_root(job: dict) -> None:
+    """Rules on the root sections alone."""
+    train, launch, fault = job["train"], job["launch"], job["fault"]
+    _positive("train.steps", train["steps"])
+    _positive("train.grad_accum", train["grad_accum"])
+    _positive("train.log_every", train["log_every"])
+    _positive("train.warmup_steps", train["warmup_steps"], 0)
+    if train["warmup_steps"] >= train["steps"]:
+        raise ConfigError(
+            f"train.warmup_steps={train['warmup_steps']}: must be < train.steps={train['steps']}"
+        )
+    _positive("eval.every_steps", job["eval"]["every_steps"], 0)
+    _positive("eval.batch_size", job["eval"]["batch_size"])
+    _positive("launch.max_restarts", launch["max_restarts"], 0)
+    _positive("launch.timeout_s", launch["timeout_s"])
+    if fault["mode"] is not None and fault["mode"] not in FAULT_MODES:
+        raise ConfigError(f"fault.mode={fault['mode']}: use null, {' or '.join(FAULT_MODES)}")
+
+
+def check_batch(job: dict, world_size: int) -> None:
+    """The global batch must split into equal micro-batches over ranks and accumulation steps."""
+    batch, accum = job["data"]["batch_size"], job["train"]["grad_accum"]
+    _positive("data.batch_size", batch)
+    if batch % (world_size * accum):
+        raise ConfigError(
+            f"data.batch_size={batch}: must be divisible by world size ({world_size}) x "
+            f"train.grad_accum ({accum}) = {world_size * accum}"
+        )
+
+
+def check_fault(job: dict, world_size: int) -> None:
+    if job["fault"]["mode"] and not 0 <= job["fault"]["kill_rank"] < world_size:
+        raise ConfigError(
+            f"fault.kill_rank={job['fault']['kill_rank']}: must be a rank in 0..{world_size - 1}"
+        )
+
+
+def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] | None) -> dict:
+    """Validate the composed config and resolve it once into the plain dict workers receive.
+
+    `torchrun_world` is (world size, local world size) when torchrun started this process.
+    """
+    try:
+        job = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '')}: {e.msg.splitlines()[0]}") from None
+    job.pop("hydra", None)
+    for group in GROUPS:
+        runtime_args = ("input_shape", "num_classes") if group == "model" else ()
+        job[group] = check_group(group, job[group], runtime_args)
+    check_root(job)
+
+    settings = {g: instantiate_settings(job[g]) for g in GROUPS if g != "model"}
+    fixed = getattr(settings["strategy"], "world_size", None)
+    if torchrun_world:
+        world_size, nproc = torchrun_world
+        nnodes = (world_size // nproc, world_size // nproc)
+    else:
+        nnodes = parse_nnodes(job["launch"]["nnodes"])
+        nproc = resolve_nproc(job["launch"]["nproc_per_node"], fixed, cuda_devices)
+        world_size = nnodes[0] * nproc
+    job["launch"]["nproc_per_node"] = nproc
+    job["launch"]["world_size"] = world_size
+    check_batch(job, world_size)
+    check_fault(job, world_size)
+    for obj in settings.values():
+        if hasattr(obj, "validate"):
+            obj.validate(job)
+    job["output_dir"] = str(Path(job["output_dir"]).resolve())
+    job["tracking"]["uri"] = resolve_tracking_uri(job["tracking"]["uri"])
+    return job
+
+
+def instantiate_settings(node: dict) -> Any:
+    """Build a settings-only group object in the parent, so its own checks run before launch."""
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    return import_target(node["_target_"])(**kwargs)
+
+
+def resolve_tracking_uri(uri: str | None) -> str:
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else SQLite `mlflow.db` in the working dir."""
+    if uri:
+        return uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"

@@ -1,0 +1,102 @@
+"""Starting the worker group: elastic_launch (the engine behind torchrun), or torchrun itself."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from mgpu import worker
+from mgpu.config import parse_nnodes
+
+# Restarted groups on gloo reuse stale peer addresses from the shared rendezvous store
+# (pytorch issue #135712); a fresh store per attempt makes restarts reliable.
+WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_world() -> tuple[int, int] | None:
+    """(world size, local world size) when torchrun started this process, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return None
+
+
+def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
+    """Run `worker.main` on every local rank; returns {global rank: summary}.
+
+    `env` (the network group's settings) is applied here, in the parent, so every worker
+    inherits it before any communication library reads it.
+    """
+    # Workers fork from a server that has imported the worker code once (per sweep, not per
+    # job); unlike plain fork, it holds no state of this process (MLflow's database handles).
+    multiprocessing.set_forkserver_preload(["mgpu.worker"])
+    settings = job["launch"]
+    min_nodes, max_nodes = parse_nnodes(settings["nnodes"])
+    os.environ.update({**WORKER_ENV, **env})
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=settings["nproc_per_node"],
+        run_id="mgpu",
+        rdzv_backend="c10d",
+        rdzv_endpoint=settings["rdzv_endpoint"] or "127.0.0.1:0",
+        max_restarts=settings["max_restarts"],
+        monitor_interval=0.1,
+        start_method="forkserver",
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job["output_dir"], "logs", "elastic")),
+    )
+    return elastic_launch(config, worker.main)(job, run_id)
+
+
+# Errors a rank reports when a peer died first: consequences, not causes.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "terminated by the launcher")
+
+
+def describe_failure(error: ChildFailedError, job: dict) -> str:
+    """One line naming the rank whose failure stopped the group, and its error.
+
+    The agent reports only the first process it saw exit, often a rank that merely lost its
+    peer ("connection reset"). Every rank's own error report is in the elastic log dir, so the
+    root cause is looked up there; a rank with no report died without Python (a signal).
+    """
+    reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
+    reports.update(_error_reports(Path(job["output_dir"], "logs", "elastic")))
+    causes = {r: m for r, m in reports.items() if not any(p in m for p in PEER_LOST)}
+    if causes:
+        rank = min(causes)
+        return f"rank {rank} failed: {causes[rank]}"
+    silent = sorted(set(range(job["launch"]["nproc_per_node"])) - set(reports))
+    if silent:
+        return (
+            f"rank {silent[0]} died without an error report (killed by a signal?); "
+            f"its peers then failed: {reports[min(reports)]}"
+        )
+    rank = min(reports)
+    return f"rank {rank} failed: {reports[rank]}"
+
+
+def _error_reports(log_dir: Path) -> dict[int, str]:
+    """{local rank: last line of its error} from the newest attempt's error files."""
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not attempts:
+        return {}
+    reports = {}
+    for path in attempts[-1].glob("*/error.json"):
+        message = json.loads(path.read_text()).get("message", "")
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        reports[int(path.parent.name)] = _last_line(message)
+    return reports
+
+
+def _last_line(message: object) -> str:
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    lines = [line for line in str(message).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no error message"

@@ -1,0 +1,34 @@
+"""Multi-layer perceptron over flattened inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        hidden: list[int] = (256, 256),
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        sizes = [math.prod(input_shape), *hidden]
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Dropout(dropout))
+            for i, o in zip(sizes[:-1], sizes[1:], strict=True)
+        )
+        self.head = nn.Linear(sizes[-1], num_classes)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)

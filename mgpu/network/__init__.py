@@ -1,0 +1,14 @@
+"""Network settings: environment for the communication libraries, applied before workers start."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Network(Protocol):
+    #: DDP gradient bucket settings, for the strategies that bucket gradients.
+    bucket_cap_mb: float
+    gradient_as_bucket_view: bool
+
+    def env(self) -> dict[str, str]:
+        """Environment variables this option sets (and only those) for the workers."""

@@ -1,0 +1,34 @@
+"""AdamW with decoupled weight decay."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from mgpu.errors import ConfigError
+from mgpu.optim.schedule import check_schedule, lr_schedule
+
+
+class AdamW:
+    def __init__(
+        self,
+        lr: float = 2e-3,
+        weight_decay: float = 0.01,
+        betas: list[float] = (0.9, 0.999),
+        schedule: str = "cosine",
+        warmup_steps: int = 0,
+    ) -> None:
+        if lr <= 0:
+            raise ConfigError(f"optim.lr={lr}: must be > 0")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(f"optim.betas={list(betas)}: use two values in [0, 1)")
+        check_schedule(schedule, warmup_steps)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.schedule, self.warmup_steps = schedule, warmup_steps
+
+    def build(self, params: Iterable[torch.nn.Parameter], total_steps: int):
+        optimizer = torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        return optimizer, lr_schedule(optimizer, self.schedule, self.warmup_steps, total_steps)

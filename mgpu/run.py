@@ -1,0 +1,183 @@
+"""Run: assembles the torch runtime on one rank from the resolved config, then trains it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from mgpu import fault
+from mgpu.data.loader import eval_batches, train_batches
+from mgpu.meter import StepMeter, peak_memory_bytes
+from mgpu.runtime import Runtime
+from mgpu.tracking import MetricLogger
+
+log = logging.getLogger("mgpu.run")
+
+
+@dataclass
+class Run:
+    job: dict
+    rt: Runtime
+    model: nn.Module
+    precision: Any
+    strategy: Any
+    compression: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: Any
+    val_loader: torch.utils.data.DataLoader
+    tracker: MetricLogger | None
+
+    @classmethod
+    def build(cls, job: dict, rt: Runtime, run_id: str | None) -> Run:
+        """Data → model → precision → strategy → compression → balance → optimizer → tracking."""
+        torch.manual_seed(job["seed"])  # same initial weights on every rank
+        data = instantiate(job["data"])
+        train_set, val_set = data.splits(job["seed"])
+        model = instantiate(
+            job["model"], input_shape=data.input_shape, num_classes=data.num_classes
+        )
+        precision = instantiate(job["precision"])
+        strategy = instantiate(job["strategy"])
+        model = strategy.wrap(model, rt, instantiate(job["network"]))
+        compression = instantiate(job["compression"])
+        compression.register(model)
+        balance = instantiate(job["balance"])
+        local_batch = balance.local_batch_size(data.batch_size, rt.rank, rt.world_size)
+        micro_batch = local_batch // job["train"]["grad_accum"]
+        optimizer, scheduler = instantiate(job["optim"]).build(
+            model.parameters(), job["train"]["steps"]
+        )
+        tracker = None
+        if rt.is_main and run_id:
+            tracker = MetricLogger(job["tracking"]["uri"], run_id)
+        return cls(
+            job=job,
+            rt=rt,
+            model=model,
+            precision=precision,
+            strategy=strategy,
+            compression=compression,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            batches=train_batches(train_set, micro_batch, rt, job["seed"]),
+            val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
+            tracker=tracker,
+        )
+
+    def train(self) -> dict[str, float]:
+        """The loop: step, record, and on schedule log metrics and evaluate. Returns the summary."""
+        cfg = self.job["train"]
+        steps, log_every = cfg["steps"], cfg["log_every"]
+        eval_every = self.job["eval"]["every_steps"]
+        meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"], self.rt.device)
+        fail_at = fault.fault_step(self.job["fault"], self.rt.rank)
+        log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
+        with self.progress_bar() as bar:
+            task = bar.add_task("train", total=steps, loss="-", rate="-")
+            for step in range(1, steps + 1):
+                if step == fail_at:
+                    fault.inject(self.job["fault"]["mode"], self.rt.rank, step)
+                meter.record(step, self.train_step())
+                if step % log_every == 0 or step == steps:
+                    metrics = self.log_point(step, meter)
+                    rate = metrics.get("train/samples_per_s", 0)
+                    bar.update(task, completed=step, loss=f"{metrics['train/loss']:.4f}",
+                               rate=f"{rate:,.0f}")
+                if eval_every and step % eval_every == 0 and step < steps:
+                    self.log(self.evaluate(), step)
+        final_eval = self.evaluate()
+        self.log(final_eval, steps)
+        return {**metrics, **final_eval, "step": steps}
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over `grad_accum` micro-batches; returns the (detached) loss."""
+        accum = self.job["train"]["grad_accum"]
+        total = None
+        for micro in range(accum):
+            inputs, labels = next(self.batches)
+            last = micro == accum - 1
+            with nullcontext() if last else self.strategy.no_sync(self.model):
+                with self.precision.autocast(self.rt.device):
+                    loss = F.cross_entropy(self.model(inputs), labels)
+                self.precision.backward(loss / accum if accum > 1 else loss)
+            total = loss.detach() if total is None else total + loss.detach()
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total / accum if accum > 1 else total
+
+    def log_point(self, step: int, meter: StepMeter) -> dict[str, float]:
+        """Metrics since the last log point: loss over all ranks, throughput, memory."""
+        metrics = {
+            "train/loss": meter.window_loss(),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
+            **meter.throughput(),
+        }
+        log.info(
+            "step %d  loss %.4f  %s samples/s",
+            step, metrics["train/loss"], f"{metrics.get('train/samples_per_s', 0):,.0f}",
+        )
+        self.log(metrics, step)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices."""
+        self.model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
+        for inputs, labels in self.val_loader:
+            inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
+            with self.precision.autocast(self.rt.device):
+                logits = self.model(inputs)
+            totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+            totals[1] += (logits.argmax(dim=1) == labels).sum()
+            totals[2] += labels.numel()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        self.model.train()
+        loss, correct, count = totals.tolist()
+        log.info("eval  loss %.4f  accuracy %.4f", loss / count, correct / count)
+        return {"eval/loss": loss / count, "eval/accuracy": correct / count}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracker:
+            self.tracker.log(metrics, step)
+
+    def save_weights(self) -> None:
+        """Full (unsharded) weights in `model.pt`, written by rank 0; every rank must call it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.rt.is_main:
+            torch.save(state, self.rt.output_dir / "model.pt")
+
+    def close(self) -> None:
+        if self.tracker:
+            self.tracker.close()
+
+    def progress_bar(self) -> Progress:
+        """A rich progress bar, shown by rank 0 in a terminal (elsewhere log lines suffice)."""
+        return Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[rate]} samples/s"),
+            TimeRemainingColumn(),
+            disable=not (self.rt.is_main and sys.stdout.isatty()),
+        )

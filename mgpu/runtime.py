@@ -1,0 +1,91 @@
+"""Per-rank runtime: logging, threads, device and the process group, set up once per worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("mgpu")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this rank sits in the job and what it computes on."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    output_dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def setup_logging(rank: int, output_dir: Path) -> None:
+    """Rank-prefixed log lines: all of them in `logs/rank{r}.log`, rank 0's INFO on the console.
+
+    Spawned workers start with no handlers, so without this their logging output is lost.
+    """
+    log_dir = output_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(log_dir / f"rank{rank}.log")
+    to_file.setFormatter(fmt)
+    to_console = logging.StreamHandler()
+    to_console.setFormatter(fmt)
+    to_console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root = logging.getLogger()
+    root.handlers[:] = [to_file, to_console]
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """One GPU per local rank where CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def limit_cpu_threads(local_world_size: int) -> None:
+    """Keep workers x threads <= cores: oversubscribed CPU ranks slow each other down."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // local_world_size))
+
+
+def init_runtime(output_dir: str, timeout_s: int) -> Runtime:
+    """Join the process group that the launcher (elastic agent or torchrun) describes in env."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    setup_logging(rank, Path(output_dir))
+    limit_cpu_threads(local_world_size)
+    device = pick_device(local_rank)
+    if world_size > 1 or "MASTER_ADDR" in os.environ:
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Runtime(rank, local_rank, world_size, local_world_size, device, Path(output_dir))
+
+
+def shutdown() -> None:
+    """Leave the process group; never a collective, so it cannot hang on a failed peer."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

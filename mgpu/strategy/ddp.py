@@ -1,0 +1,32 @@
+"""Distributed data parallel: a full replica per rank, gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mgpu.runtime import Runtime
+
+
+class DDP:
+    world_size = None
+
+    def __init__(self, find_unused_parameters: bool = False, static_graph: bool = False) -> None:
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+
+    def wrap(self, model: nn.Module, rt: Runtime, network: object) -> nn.Module:
+        model = model.to(rt.device)
+        return DistributedDataParallel(
+            model,
+            device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+            bucket_cap_mb=network.bucket_cap_mb,
+            gradient_as_bucket_view=network.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+        )
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return model.no_sync()

@@ -1,0 +1,189 @@
+"""MLflow: the sweep's parent run, one run per job, and step metrics logged off the hot path.
+
+The parent process creates and ends each job's run; rank 0 alone logs step metrics into it.
+One `log_metric` call costs ~5 ms on a SQLite store, longer than a small training step, so
+metrics are queued and written in batches by a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from mgpu.config import resolve_tracking_uri
+
+log = logging.getLogger(__name__)
+
+PARENT_RUN_ENV = "MGPU_SWEEP_PARENT_RUN_ID"
+PARENT_URI_ENV = "MGPU_SWEEP_TRACKING_URI"
+ERROR_TAG = "mgpu.error"
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_LENGTH = 6000
+# The MLflow 3 UI opens experiments without this tag in its GenAI view.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} → {"a.b": 1}: the config as MLflow params."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def experiment_id(client: MlflowClient, name: str) -> str:
+    """Id of the experiment `name`, created on first use (tolerating a concurrent creator)."""
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, tags=EXPERIMENT_TAGS)
+    except Exception:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def start_job_run(job: dict, choices: Mapping[str, str], overrides: list[str]) -> str:
+    """Create the job's run: params = flattened config, tags = group choices and overrides."""
+    tracking = job["tracking"]
+    client = MlflowClient(tracking["uri"])
+    tags = {group: str(option) for group, option in choices.items()}
+    tags["mgpu.overrides"] = " ".join(overrides) or "(defaults)"
+    tags["mgpu.output_dir"] = job["output_dir"]
+    if os.environ.get(PARENT_RUN_ENV):
+        tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
+    run = client.create_run(
+        experiment_id(client, tracking["experiment"]),
+        run_name=tracking["run_name"] or " ".join(overrides) or "defaults",
+        tags=tags,
+    )
+    run_id = run.info.run_id
+    params = [
+        Param(key, str(value)[:MAX_PARAM_LENGTH])
+        for key, value in flatten(job).items()
+        if not key.endswith("_target_")
+    ]
+    for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+    client.log_text(run_id, OmegaConf.to_yaml(job), "config.yaml")
+    client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
+    return run_id
+
+
+def finish_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:
+    """Close the run as FINISHED, FAILED or KILLED; a failure's summary becomes a tag.
+
+    The final metrics are already in the run: rank 0 logs them at the last step.
+    """
+    client = MlflowClient(uri)
+    if error:
+        client.set_tag(run_id, ERROR_TAG, error[:5000])
+    client.set_terminated(run_id, status)
+
+
+class MetricLogger:
+    """Queues metric points and writes them to MLflow in batches from a background thread."""
+
+    def __init__(self, uri: str, run_id: str, flush_every_s: float = 2.0) -> None:
+        self.client = MlflowClient(uri)
+        self.run_id = run_id
+        self.flush_every_s = flush_every_s
+        self.queue: queue.Queue[Metric | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._drain, name="mgpu-metrics", daemon=True)
+        self.thread.start()
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        for key, value in metrics.items():
+            self.queue.put(Metric(key, float(value), now, step))
+
+    def close(self) -> None:
+        """Write everything still queued, then stop the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _drain(self) -> None:
+        done = False
+        while not done:
+            batch: list[Metric] = []
+            deadline = time.monotonic() + self.flush_every_s
+            while len(batch) < MAX_METRICS_PER_BATCH and (left := deadline - time.monotonic()) > 0:
+                try:
+                    item = self.queue.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is None:
+                    done = True
+                    break
+                batch.append(item)
+            self._write(batch)
+
+    def _write(self, metrics: list[Metric]) -> None:
+        if not metrics:
+            return
+        try:
+            self.client.log_batch(self.run_id, metrics=metrics)
+        except Exception as e:  # tracking trouble must not stop training
+            log.warning("could not log %d metric points to MLflow: %s", len(metrics), e)
+
+
+class SweepRunCallback(Callback):
+    """In a multirun, one MLflow parent run holds the sweep; each job's run is its child."""
+
+    def __init__(self) -> None:
+        self.uri: str | None = None
+        self.failed_jobs = 0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        tracking = config.tracking
+        if not tracking.enabled:
+            return
+        self.uri = resolve_tracking_uri(tracking.uri)
+        # Creating the store here, once, keeps parallel jobs from racing on its migration.
+        client = MlflowClient(self.uri)
+        overrides = list(OmegaConf.to_container(config.hydra.overrides.task))
+        run = client.create_run(
+            experiment_id(client, tracking.experiment),
+            run_name=f"sweep {' '.join(overrides)}",
+            tags={
+                "mgpu.sweep_dir": str(config.hydra.sweep.dir),
+                "mgpu.overrides": " ".join(overrides),
+            },
+        )
+        os.environ[PARENT_RUN_ENV] = run.info.run_id
+        os.environ[PARENT_URI_ENV] = self.uri
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if job_return.status.name == "FAILED":
+            self.failed_jobs += 1
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        end_sweep_run("FAILED" if self.failed_jobs else "FINISHED")
+
+
+def end_sweep_run(status: str) -> None:
+    """Close the sweep's parent run, if one is open in this process.
+
+    Hydra skips `on_multirun_end` when a job failed, so the entry point calls this on errors.
+    """
+    run_id = os.environ.pop(PARENT_RUN_ENV, None)
+    uri = os.environ.pop(PARENT_URI_ENV, None)
+    if run_id and uri:
+        MlflowClient(uri).set_terminated(run_id, status)

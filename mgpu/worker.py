@@ -1,0 +1,65 @@
+"""Per-rank entry point. Lives outside `__main__` so spawned processes can import it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from mgpu import tracking
+from mgpu.run import Run
+from mgpu.runtime import Runtime, init_runtime, shutdown
+
+log = logging.getLogger("mgpu.worker")
+
+
+@record
+def main(job: dict, run_id: str | None) -> dict[str, float]:
+    """Started by the elastic agent on every rank: join the group, build, train, save."""
+    rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
+    try:
+        return train(job, rt, run_id)
+    finally:
+        shutdown()
+
+
+def train(job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
+    run = Run.build(job, rt, run_id)
+    try:
+        summary = run.train()
+        run.save_weights()
+        return summary
+    finally:
+        run.close()
+
+
+def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]) -> dict:
+    """torchrun started this process: rank 0 owns the MLflow run, which no parent holds here."""
+    rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
+    try:
+        if dist.is_initialized():
+            # Each rank composed its own config; rank 0's (output dir, timestamps) is the run's.
+            shared = [job]
+            dist.broadcast_object_list(shared, src=0)
+            job = shared[0]
+        if not (rt.is_main and job["tracking"]["enabled"]):
+            return train(job, rt, None)
+        uri = job["tracking"]["uri"]
+        run_id = tracking.start_job_run(job, choices, overrides)
+        # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            summary = train(job, rt, run_id)
+        except BaseException as e:
+            tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
+            raise
+        tracking.finish_run(uri, run_id, "FINISHED")
+        return {**summary, "run_id": run_id}
+    finally:
+        shutdown()
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise SystemExit(f"terminated by the launcher (signal {signum}): another rank failed")

@@ -1,0 +1,64 @@
+"""Shared helpers: compose configs as the CLI does, launch real gloo worker groups, run the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+
+from mgpu.config import prepare
+from mgpu.launch import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+# Small and quick: enough steps for parity and accuracy checks, no eval in between.
+QUICK = ["train.steps=30", "train.warmup_steps=5", "train.log_every=10", "eval.every_steps=0"]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def make_job(overrides: list[str], output_dir: Path) -> dict:
+    """The resolved job dict the parent would hand to workers (tracking off)."""
+    cfg = compose_config([*overrides, f"output_dir={output_dir}", "tracking.enabled=false"])
+    return prepare(cfg, cuda_devices=0, torchrun_world=None)
+
+
+def launch_job(overrides: list[str], output_dir: Path) -> tuple[dict, dict]:
+    """Launch a real worker group; returns (rank 0's summary, the final full model weights)."""
+    job = make_job(overrides, output_dir)
+    results = launch(job, run_id=None, env={})
+    weights = torch.load(output_dir / "model.pt", weights_only=True)
+    return results[0], weights
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m mgpu ARGS` in `cwd`, tracking into `cwd/mlflow.db`."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "mgpu", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def mlflow_runs(cwd: Path) -> list:
+    """Every run in the store under `cwd` (none if the store was never created)."""
+    if not (cwd / "mlflow.db").exists():
+        return []
+    client = MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments) if experiments else []
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)

@@ -1,0 +1,104 @@
+"""End-to-end: the real CLI in a temporary directory, with a real SQLite MLflow store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import QUICK, mlflow_runs
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_run_is_recorded_in_mlflow(cli, tmp_path):
+    result = cli("train.steps=150", "eval.every_steps=50")
+    assert result.returncode == 0, result.stderr
+    assert "eval/accuracy" in result.stdout and "make ui" in result.stdout
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    for key in ("train/loss", "train/samples_per_s", "time/step_p50_s", "time/step_p90_s",
+                "time/step_p99_s", "eval/accuracy", "eval/loss", "memory/peak_bytes"):
+        assert key in metrics, key
+    assert metrics["eval/accuracy"] >= 0.9
+    assert run.data.params["data.batch_size"] == "64"
+    assert run.data.params["launch.world_size"] == "2"
+    assert run.data.tags["strategy"] == "ddp" and run.data.tags["model"] == "mlp"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "overrides.yaml"} <= artifacts
+    history = client.get_metric_history(run.info.run_id, "eval/accuracy")
+    assert [m.step for m in history] == [50, 100, 150]
+    out_dir = run.data.tags["mgpu.output_dir"]
+    summary = json.loads(open(os.path.join(out_dir, "summary.json")).read())
+    assert summary["run_id"] == run.info.run_id
+    assert os.path.exists(os.path.join(out_dir, "logs", "rank1.log"))
+
+
+def test_multirun_makes_one_parent_and_a_child_per_job(cli, tmp_path):
+    result = cli("-m", *QUICK, "strategy=single,ddp", "optim.lr=1e-3,3e-3")
+    assert result.returncode == 0, result.stderr
+    runs = mlflow_runs(tmp_path)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 4
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    combos = {(r.data.tags["strategy"], r.data.params["optim.lr"]) for r in children}
+    assert combos == {("single", "0.001"), ("single", "0.003"), ("ddp", "0.001"), ("ddp", "0.003")}
+    assert len({r.data.tags["mgpu.output_dir"] for r in children}) == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["strategy.bucket_cap=3"], "strategy.bucket_cap"),
+        (["+strategy.bucket_cap=3"], "strategy.bucket_cap"),
+        (["optim.lr=fast"], "optim.lr"),
+        (["strategy=dpp"], "strategy"),
+        (["train.steps=many"], "train.steps"),
+        (["strategy=single", "launch.nproc_per_node=2"], "launch.nproc_per_node"),
+    ],
+)
+def test_bad_input_exits_with_one_line_and_no_run(cli, tmp_path, args, key):
+    result = cli(*args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert key in lines[0] and lines[0].startswith("mgpu: config error:")
+    assert not [r for r in mlflow_runs(tmp_path) if r.info.status == "RUNNING"]
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.pt"))
+
+
+def test_failing_worker_fails_the_run_and_leaves_no_process(cli, tmp_path):
+    result = cli(*QUICK, "fault.mode=exception", "fault.kill_rank=1", "fault.at_step=5")
+    assert result.returncode == 1
+    assert "rank 1 failed" in result.stderr and "injected fault" in result.stderr
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert "injected fault" in run.data.tags["mgpu.error"]
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"])
+        if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))
+    ]
+    assert not leftovers
+
+
+def test_torchrun_makes_one_run(tmp_path):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "mgpu",
+         *QUICK, "strategy=ddp"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["launch.world_size"] == "2"
+    assert "eval/accuracy" in run.data.metrics
