@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from mgpu import launch, tracking, worker
@@ -81,18 +81,20 @@ def report(job: dict, run_id: str | None, summary: dict[str, float]) -> None:
 
 
 def one_line(error: BaseException) -> str:
-    """A user mistake as one line: what Hydra and OmegaConf say, without their tracebacks."""
+    """A user mistake as one line: the key, what is wrong, and what is valid."""
     if isinstance(error, MissingConfigException) and error.options:
         first = str(error).strip().splitlines()[0]
         return f"{first}; available: {', '.join(error.options)}"
-    parts = [str(error)]
-    cause = error.__cause__
-    if isinstance(cause, OmegaConfBaseException):
-        parts.append(cause.msg)
-        if getattr(cause, "full_key", None):
-            parts.append(f"key: {cause.full_key}")
-    lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
-    return "; ".join(dict.fromkeys(lines))
+    cause = error if isinstance(error, OmegaConfBaseException) else error.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        message = f"{cause.full_key}: {cause.msg.strip().splitlines()[0]}"
+        unknown_key = isinstance(cause, (ConfigKeyError, ConfigAttributeError))
+        if unknown_key and isinstance(cause.parent_node, DictConfig):
+            valid = [str(k) for k in cause.parent_node if not str(k).startswith("_")]
+            message += f"; valid keys: {', '.join(valid)}"
+        return message
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines)
 
 
 def main() -> None:

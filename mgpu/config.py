@@ -175,6 +175,15 @@ def resolve_nproc(value: str, fixed: int | None, cuda_devices: int) -> int:
     return nproc
 
 
+def check_root_schema(job: dict) -> None:
+    """The root sections against the schema: catches keys added with `+` that Hydra let in."""
+    root = {key: value for key, value in job.items() if key not in GROUPS}
+    try:
+        OmegaConf.merge(OmegaConf.structured(MgpuConfig), root)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key}: {e.msg.strip().splitlines()[0]}") from None
+
+
 def check_root(job: dict) -> None:
     """Rules on the root sections alone."""
     train, launch, fault = job["train"], job["launch"], job["fault"]
@@ -225,6 +234,7 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
     for group in GROUPS:
         runtime_args = ("input_shape", "num_classes") if group == "model" else ()
         job[group] = check_group(group, job[group], runtime_args)
+    check_root_schema(job)
     check_root(job)
 
     settings = {g: instantiate_settings(job[g]) for g in GROUPS if g != "model"}

@@ -41,6 +41,7 @@ def test_auto_nproc_follows_the_strategy(tmp_path):
     ("overrides", "message"),
     [
         (["+strategy.bucket_cap=3"], "strategy.bucket_cap: unknown key"),
+        (["+train.foo=1"], "train.foo: Key 'foo' not in 'TrainConf'"),
         (["optim.lr=fast"], "optim.lr=fast"),
         (["model.hidden=[a]"], "model.hidden"),
         (["launch.nproc_per_node=0"], "launch.nproc_per_node=0: must be >= 1"),
