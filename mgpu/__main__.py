@@ -13,6 +13,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
+from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -73,10 +74,11 @@ def report(job: dict, run_id: str | None, summary: dict[str, float]) -> None:
         f"  outputs: {out} (model.pt, summary.json, logs/)"
     )
     if run_id:
+        experiment = MlflowClient(job["tracking"]["uri"]).get_run(run_id).info.experiment_id
         print(
             f"  MLflow:  run {run_id} in experiment '{job['tracking']['experiment']}' "
             f"at {job['tracking']['uri']}\n"
-            f"  open:    make ui, then http://127.0.0.1:5000/#/experiments/ (run list)"
+            f"  open:    make ui, then http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run_id}"
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,6 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
     multiprocessing.set_forkserver_preload(["mgpu.worker"])
     settings = job["launch"]
     min_nodes, max_nodes = parse_nnodes(settings["nnodes"])
-    os.environ.update({**WORKER_ENV, **env})
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -51,7 +51,23 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
         start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job["output_dir"], "logs", "elastic")),
     )
-    return elastic_launch(config, worker.main)(job, run_id)
+    with environment({**WORKER_ENV, **env}):
+        return elastic_launch(config, worker.main)(job, run_id)
+
+
+@contextmanager
+def environment(variables: dict[str, str]):
+    """Set `variables` for the workers started inside, then restore: jobs of a sweep differ."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # Errors a rank reports when a peer died first: consequences, not causes.

@@ -17,10 +17,9 @@ class StepMeter:
     Losses stay on the device until a log point, so recording adds no device synchronisation.
     """
 
-    def __init__(self, global_batch: int, warmup_steps: int, device: torch.device) -> None:
+    def __init__(self, global_batch: int, warmup_steps: int) -> None:
         self.global_batch = global_batch
         self.warmup_steps = warmup_steps
-        self.device = device
         self.durations: list[float] = []  # steps after warm-up
         self.window_losses: list[torch.Tensor] = []
         self.last = time.perf_counter()

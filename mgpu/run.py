@@ -23,9 +23,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mgpu import fault
+from mgpu.compression import Compression
 from mgpu.data.loader import eval_batches, train_batches
 from mgpu.meter import StepMeter, peak_memory_bytes
+from mgpu.precision import Precision
 from mgpu.runtime import Runtime
+from mgpu.strategy import Strategy
 from mgpu.tracking import MetricLogger
 
 log = logging.getLogger("mgpu.run")
@@ -36,9 +39,9 @@ class Run:
     job: dict
     rt: Runtime
     model: nn.Module
-    precision: Any
-    strategy: Any
-    compression: Any
+    precision: Precision
+    strategy: Strategy
+    compression: Compression
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: Any
@@ -87,7 +90,7 @@ class Run:
         cfg = self.job["train"]
         steps, log_every = cfg["steps"], cfg["log_every"]
         eval_every = self.job["eval"]["every_steps"]
-        meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"], self.rt.device)
+        meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"])
         fail_at = fault.fault_step(self.job["fault"], self.rt.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
         with self.progress_bar() as bar:

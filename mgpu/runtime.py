@@ -29,10 +29,6 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def backend(self) -> str:
-        return dist.get_backend() if dist.is_initialized() else "none"
-
 
 def setup_logging(rank: int, output_dir: Path) -> None:
     """Rank-prefixed log lines: all of them in `logs/rank{r}.log`, rank 0's INFO on the console.
