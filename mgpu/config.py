@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mgpu.errors import ConfigError
 
 GROUPS = ("strategy", "precision", "compression", "network", "balance", "model", "data", "optim")
-FAULT_MODES = ("exception", "sigkill")
+FAULT_MODES = ("exception", "sigkill", "nonfinite_grad")
 
 
 @dataclass
@@ -61,7 +61,7 @@ class TrackingConf:
 
 @dataclass
 class FaultConf:
-    mode: str | None = None  # None | exception | sigkill
+    mode: str | None = None  # None | exception | sigkill | nonfinite_grad
     kill_rank: int = 0
     at_step: int = 0
 

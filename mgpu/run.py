@@ -58,8 +58,10 @@ class Run:
             job["model"], input_shape=data.input_shape, num_classes=data.num_classes
         )
         precision = instantiate(job["precision"])
+        model = precision.prepare(model)
         strategy = instantiate(job["strategy"])
         model = strategy.wrap(model, rt, instantiate(job["network"]))
+        precision.attach(model, rt.device)
         compression = instantiate(job["compression"])
         compression.register(model)
         balance = instantiate(job["balance"])
@@ -97,7 +99,7 @@ class Run:
             task = bar.add_task("train", total=steps, loss="-", rate="-")
             for step in range(1, steps + 1):
                 if step == fail_at:
-                    fault.inject(self.job["fault"]["mode"], self.rt.rank, step)
+                    fault.inject(self.job["fault"]["mode"], self.rt.rank, step, self.model)
                 meter.record(step, self.train_step())
                 if step % log_every == 0 or step == steps:
                     metrics = self.log_point(step, meter)
@@ -134,6 +136,7 @@ class Run:
             "train/lr": self.scheduler.get_last_lr()[0],
             "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
             **meter.throughput(),
+            **self.precision.metrics(),
         }
         log.info(
             "step %d  loss %.4f  %s samples/s",

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 
 class Precision(Protocol):
-    #: dtype parameters are stored in, and dtype gradients are reduced in (for sharded strategies).
+    #: dtype parameters compute in (FSDP's MixedPrecisionPolicy.param_dtype; the stored
+    #: weights stay fp32), and dtype gradients are reduced in (for sharded strategies).
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Before the strategy wraps the model: adapt it (tensor-core padding)."""
+
+    def attach(self, model: nn.Module, device: torch.device) -> None:
+        """After the strategy wrapped the model: set up device-side state (the loss scaler)."""
 
     def autocast(self, device: torch.device) -> AbstractContextManager:
         """Context the forward pass and loss run under."""
@@ -20,4 +28,12 @@ class Precision(Protocol):
         """Backpropagate `loss` (scaled where the precision needs it)."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Apply the optimizer step; return False where the step was skipped."""
+        """Apply the optimizer step; return False where the step was skipped (non-finite)."""
+
+    def metrics(self) -> dict[str, float]:
+        """`amp/loss_scale` and `amp/skipped_steps`, merged into each metric point."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loss scaler and skip counters, for checkpoints."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
