@@ -1,0 +1,254 @@
+"""Precision options: padding, loss scaling, non-finite steps, training to accuracy under DDP."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from mgpu import tracking
+from mgpu.errors import ConfigError
+from mgpu.launch import launch
+from mgpu.model.cnn import CNN
+from mgpu.model.mlp import MLP
+from mgpu.precision.amp import AMP
+from mgpu.precision.padding import PaddedLinear, pad_linear_layers
+from mgpu.run import Run
+from mgpu.runtime import init_runtime, shutdown
+from tests.conftest import QUICK, make_job, mlflow_runs
+
+# ---------------------------------------------------------------------------------------------
+# Padding
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: MLP(input_shape=(1, 5, 5), num_classes=10, hidden=[30, 45]),
+        lambda: CNN(input_shape=(3, 6, 6), num_classes=7, channels=[4, 6], hidden=13),
+    ],
+    ids=["mlp", "cnn"],
+)
+def test_padded_model_computes_what_the_unpadded_one_does(build):
+    torch.manual_seed(0)
+    plain = build()
+    padded = pad_linear_layers(copy.deepcopy(plain), 8)
+    layers = [m for m in padded.modules() if isinstance(m, PaddedLinear)]
+    assert layers and all(s % 8 == 0 for m in layers for s in m.weight.shape)
+    assert not [m for m in padded.modules() if isinstance(m, torch.nn.Linear)
+                and (m.in_features % 8 or m.out_features % 8)]
+    inputs = torch.rand(16, *((1, 5, 5) if isinstance(plain, MLP) else (3, 6, 6)))
+    labels = torch.randint(0, 7, (16,))
+    torch.testing.assert_close(padded(inputs), plain(inputs), rtol=1e-5, atol=1e-6)
+    # Training keeps them equal: the padding gets zero gradients and stays zero.
+    for model in (plain, padded):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            F.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(padded(inputs), plain(inputs), rtol=1e-4, atol=1e-5)
+    for m in layers:
+        assert not m.weight[m.out_features:].any() and not m.weight[:, m.in_features:].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+def test_amp_knobs_come_from_the_command_line(tmp_path):
+    job = make_job(["precision=amp", "precision.init_scale=32768"], tmp_path)
+    assert job["precision"]["init_scale"] == 32768.0
+    assert job["precision"]["growth_interval"] == 2000
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("precision.backoff_factor=1", "precision.backoff_factor=1.0: must be in (0, 1)"),
+        ("precision.backoff_factor=0", "precision.backoff_factor=0.0: must be in (0, 1)"),
+        ("precision.growth_factor=1", "precision.growth_factor=1.0: must be > 1"),
+        ("precision.init_scale=0", "precision.init_scale=0.0: must be > 0"),
+        ("precision.growth_interval=0", "precision.growth_interval=0: must be >= 1"),
+        ("precision.pad_to_multiple_of=0", "precision.pad_to_multiple_of=0: must be >= 1"),
+        ("precision.max_nonfinite_steps=0", "precision.max_nonfinite_steps=0: must be >= 1"),
+    ],
+)
+def test_bad_scaler_settings_are_one_config_error(override, message, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        make_job(["precision=amp", override], tmp_path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_scaler_state_round_trips_through_state_dict():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = AMP(init_scale=256.0, growth_interval=2)
+    first.attach(model, torch.device("cpu"))
+    for _ in range(3):  # grows once (after 2 clean steps), then one more clean step
+        with first.autocast(torch.device("cpu")):
+            loss = model(torch.randn(3, 4)).float().sum()
+        first.backward(loss)
+        first.step(optimizer)
+        optimizer.zero_grad()
+    assert first.metrics() == {"amp/loss_scale": 512.0, "amp/skipped_steps": 0}
+    second = AMP()
+    second.attach(model, torch.device("cpu"))
+    second.load_state_dict(first.state_dict())
+    assert second.state_dict() == first.state_dict()
+    assert second.scaler.get_growth_interval() == 2
+    assert second.metrics()["amp/loss_scale"] == 512.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Training under DDP: accuracy, loss against fp32, and one injected inf gradient
+
+# 40 steps at a higher lr than the default reach >= 0.88 on digits; one point per step.
+TRAIN = [*QUICK, "train.steps=40", "train.log_every=1", "optim.lr=5e-3", "strategy=ddp"]
+INF_AT = 6  # rank 1's gradient is made +inf at this step (before DDP's all-reduce)
+FAULT = ["fault.mode=nonfinite_grad", f"fault.at_step={INF_AT}", "fault.kill_rank=1"]
+# Small scale and interval so the scaler's backoff and growth both show within 40 steps.
+SCALER = ["precision.init_scale=1024", "precision.growth_interval=4"]
+# Loss tolerance against fp32, per step: |loss - loss_fp32| <= 0.02 + 2% of loss_fp32.
+# bf16 keeps 8 mantissa bits, fp16 11: on this MLP the measured gap stays below 0.01.
+LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
+
+
+def train_and_save_every_rank(job: dict, run_id: str | None) -> dict:
+    """worker.main, but every rank saves its own weights, to compare the replicas."""
+    rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
+    try:
+        run = Run.build(job, rt, run_id)
+        try:
+            summary = run.train()
+        finally:
+            run.close()
+        torch.save(run.model.module.state_dict(), rt.output_dir / f"rank{rt.rank}.pt")
+        return summary
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One SQLite MLflow store for the module (creating one takes ~2 s)."""
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    uri = f"sqlite:///{path}"
+    MlflowClient(uri).search_experiments()
+    return uri
+
+
+def launch_tracked(overrides: list[str], out, uri: str, monkeypatch) -> tuple[dict, dict]:
+    """Launch with MLflow tracking; returns ({rank: summary}, {metric: [value per step]})."""
+    job = make_job(overrides, out)
+    job["tracking"].update(enabled=True, uri=uri)
+    run_id = tracking.start_job_run(job, {}, overrides)
+    monkeypatch.setattr("mgpu.launch.worker.main", train_and_save_every_rank)
+    results = launch(job, run_id, env={})
+    client = MlflowClient(uri)
+    history = {
+        key: [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        for key in ("train/loss", "amp/loss_scale", "amp/skipped_steps")
+    }
+    return results, history
+
+
+@pytest.fixture(scope="module")
+def launched(store, tmp_path_factory):
+    """precision → (results, history, output dir) of its DDP run, launched once per module."""
+    cache = {}
+
+    def get(precision: str) -> tuple[dict, dict, object]:
+        if precision not in cache:
+            out = tmp_path_factory.mktemp(precision)
+            extra = SCALER if precision == "amp" else []
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                results, history = launch_tracked(
+                    [*TRAIN, *FAULT, f"precision={precision}", *extra], out, store, monkeypatch
+                )
+            cache[precision] = (results, history, out)
+        return cache[precision]
+
+    return get
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp"])
+def test_ddp_trains_skips_the_inf_step_on_every_rank_and_tracks_fp32(precision, launched):
+    results, history, out = launched(precision)
+    fp32_losses = launched("fp32")[1]["train/loss"]
+    assert results[0]["eval/accuracy"] >= 0.88
+    # The step with the inf gradient was skipped, once, on both ranks alike.
+    skipped = history["amp/skipped_steps"]
+    assert skipped[INF_AT - 2] == 0 and skipped[INF_AT - 1] == 1 and skipped[-1] == 1
+    assert results[0]["amp/skipped_steps"] == results[1]["amp/skipped_steps"] == 1
+    rank0 = torch.load(out / "rank0.pt", weights_only=True)
+    rank1 = torch.load(out / "rank1.pt", weights_only=True)
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    # Loss per step tracks fp32 (all three skipped the same step).
+    losses = history["train/loss"]
+    assert len(losses) == len(fp32_losses) == 40
+    for step, (loss, ref) in enumerate(zip(losses, fp32_losses, strict=True), start=1):
+        assert math.isfinite(loss)
+        assert abs(loss - ref) <= LOSS_ATOL + LOSS_RTOL * ref, (step, loss, ref)
+    print(f"{precision}: max |loss - fp32 loss| over {len(losses)} steps "
+          f"{max(abs(a - b) for a, b in zip(losses, fp32_losses, strict=True)):.5f}")
+    scales = history["amp/loss_scale"]
+    if precision != "amp":
+        assert set(scales) == {1.0}
+        return
+    # Scale after each step: x2 after 4 clean steps (step 4), x0.5 at the inf (step 6), then
+    # x2 again only after 4 more clean steps (step 10).
+    assert scales[:INF_AT + 4] == [1024, 1024, 1024, 2048, 2048, 1024, 1024, 1024, 1024, 2048]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp"])
+def test_every_precision_runs_single_process_with_padding(precision, tmp_path):
+    job = make_job([*QUICK, "train.steps=10", "strategy=single", f"precision={precision}",
+                    "precision.pad_to_multiple_of=8"], tmp_path)
+    summary = launch(job, run_id=None, env={})[0]
+    assert math.isfinite(summary["train/loss"]) and summary["amp/skipped_steps"] == 0
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert weights["head.weight"].shape == (16, 256)  # 10 classes padded to 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+
+@pytest.mark.slow
+def test_amp_run_is_tagged_and_logs_the_loss_scale(cli, tmp_path):
+    result = cli(*QUICK, "precision=amp", "precision.init_scale=32768")
+    assert result.returncode == 0, result.stderr
+    [run] = mlflow_runs(tmp_path)
+    assert run.data.tags["precision"] == "amp"
+    assert run.data.params["precision.init_scale"] == "32768.0"
+    assert run.data.metrics["amp/loss_scale"] == 32768.0
+    assert run.data.metrics["amp/skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_too_many_nonfinite_steps_fail_the_run_naming_the_step(cli, tmp_path):
+    # A learning rate this large blows the weights up: every step after that is non-finite.
+    result = cli(*QUICK, "optim=sgd", "optim.lr=1e12", "precision.max_nonfinite_steps=3")
+    assert result.returncode == 1
+    assert "3 optimizer steps in a row had a non-finite loss or gradient" in result.stderr
+    assert "the last at step" in result.stderr
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert "precision.max_nonfinite_steps=3" in run.data.tags["mgpu.error"]
+
+
+@pytest.mark.slow
+def test_bad_scaler_setting_stops_the_cli_with_one_line(cli, tmp_path):
+    result = cli("precision=amp", "precision.backoff_factor=1")
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("mgpu: config error: precision.backoff_factor=1.0")
+    assert not mlflow_runs(tmp_path)
