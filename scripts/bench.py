@@ -71,7 +71,35 @@ def bench_overhead(rounds: int, workdir: Path) -> dict:
     }
 
 
-SECTIONS = {"overhead": bench_overhead}
+def bench_precision(rounds: int, workdir: Path) -> dict:
+    """fp32 vs bf16 vs amp (fp16 + GradScaler) under strategy=ddp: samples/s and eval accuracy.
+
+    On CPU, bf16/fp16 autocast mostly adds casts (no tensor cores): the ratios say what the
+    precision costs here; on GPUs they say what it gains.
+    """
+    steps, warmup = 600, 50
+    common = [f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=100",
+              "eval.every_steps=0", "strategy=ddp"]
+    names = ("fp32", "bf16", "amp")
+    rate = {name: [] for name in names}
+    accuracy = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            summary = run_mgpu([*common, f"precision={name}"], workdir)
+            rate[name].append(summary["train/samples_per_s"])
+            accuracy[name].append(summary["eval/accuracy"])
+    median = {name: statistics.median(values) for name, values in rate.items()}
+    return {
+        "samples_per_s_median": median,
+        "samples_per_s_rounds": rate,
+        "eval_accuracy_rounds": accuracy,
+        "ratio_to_fp32": {name: median[name] / median["fp32"] for name in names},
+        "setup": f"MLP 64-256-256-10 on digits, global batch 64, {steps} steps "
+                 f"({warmup} warm-up), AdamW cosine, 2 gloo processes",
+    }
+
+
+SECTIONS = {"overhead": bench_overhead, "precision": bench_precision}
 
 
 def main() -> None:
