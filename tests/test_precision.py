@@ -114,7 +114,8 @@ FAULT = ["fault.mode=nonfinite_grad", f"fault.at_step={INF_AT}", "fault.kill_ran
 # Small scale and interval so the scaler's backoff and growth both show within 40 steps.
 SCALER = ["precision.init_scale=1024", "precision.growth_interval=4"]
 # Loss tolerance against fp32, per step: |loss - loss_fp32| <= 0.02 + 2% of loss_fp32.
-# bf16 keeps 8 mantissa bits, fp16 11: on this MLP the measured gap stays below 0.01.
+# bf16 keeps 8 mantissa bits, fp16 11: measured on this run, the largest gap over the 40 steps
+# was 0.0115 for bf16 and 0.0028 for amp (losses fall from 2.3 to about 0.3).
 LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
 
 
@@ -196,8 +197,6 @@ def test_ddp_trains_skips_the_inf_step_on_every_rank_and_tracks_fp32(precision, 
     for step, (loss, ref) in enumerate(zip(losses, fp32_losses, strict=True), start=1):
         assert math.isfinite(loss)
         assert abs(loss - ref) <= LOSS_ATOL + LOSS_RTOL * ref, (step, loss, ref)
-    print(f"{precision}: max |loss - fp32 loss| over {len(losses)} steps "
-          f"{max(abs(a - b) for a, b in zip(losses, fp32_losses, strict=True)):.5f}")
     scales = history["amp/loss_scale"]
     if precision != "amp":
         assert set(scales) == {1.0}

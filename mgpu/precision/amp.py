@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from mgpu.errors import ConfigError
 from mgpu.precision.common import PrecisionBase, poison_if_nonfinite
@@ -58,8 +59,6 @@ class AMP(PrecisionBase):
         super().attach(model, device)
         if self.sync_flag:
             # Ranks hold different gradients: this scaler all-reduces its inf flag.
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             self.scaler = ShardedGradScaler(device.type, **self.scaler_args)
         else:
             self.scaler = torch.amp.GradScaler(device.type, **self.scaler_args)
