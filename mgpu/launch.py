@@ -35,9 +35,10 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
     communication library reads it. It is not set in this process: the fork server, started
     once, would keep the first job's settings for every later job of a sweep.
     """
-    # Workers fork from a server that has imported the worker code once (per sweep, not per
-    # job); unlike plain fork, it holds no state of this process (MLflow's database handles).
-    multiprocessing.set_forkserver_preload(["mgpu.worker"])
+    # Workers fork from a server that has imported the worker code (and the default task's)
+    # once per sweep, not per job; unlike plain fork, it holds no state of this process
+    # (MLflow's database handles).
+    multiprocessing.set_forkserver_preload(["mgpu.worker", "mgpu.task.train"])
     settings = job["launch"]
     min_nodes, max_nodes = parse_nnodes(settings["nnodes"])
     config = LaunchConfig(
