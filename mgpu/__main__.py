@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from mgpu import launch, tracking, worker
 from mgpu.config import GROUPS, instantiate_settings, prepare
 from mgpu.errors import ConfigError, RunFailed
+from mgpu.network.topology import TOPOLOGY_FILE
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
@@ -40,15 +41,18 @@ def run_job(cfg: DictConfig) -> float:
     overrides = list(hydra_cfg.overrides.task)
     torchrun = launch.torchrun_world()
     job = prepare(cfg, torch.cuda.device_count(), torchrun)
+    task = instantiate_settings(job["task"])
     if torchrun:
         summary = worker.main_under_torchrun(job, choices, overrides)
-        return summary["eval/accuracy"]
+        return summary[task.objective]
 
     uri = job["tracking"]["uri"]
+    env = instantiate_settings(job["network"]).prepare_node(Path(job["output_dir"]))
     run_id = tracking.start_job_run(job, choices, overrides) if job["tracking"]["enabled"] else None
-    network = instantiate_settings(job["network"])
+    if run_id:
+        tracking.log_env(uri, run_id, env, Path(job["output_dir"]) / TOPOLOGY_FILE)
     try:
-        results = launch.launch(job, run_id, network.env())
+        results = launch.launch(job, run_id, env)
     except BaseException as e:
         failed = isinstance(e, ChildFailedError)
         error = launch.describe_failure(e, job) if failed else f"{type(e).__name__}: {e}"
@@ -60,17 +64,16 @@ def run_job(cfg: DictConfig) -> float:
     summary = results[min(results)]
     if run_id:
         tracking.finish_run(uri, run_id, "FINISHED")
-    report(job, run_id, summary)
-    return summary["eval/accuracy"]
+    report(job, run_id, summary, task.summary_line(summary))
+    return summary[task.objective]
 
 
-def report(job: dict, run_id: str | None, summary: dict[str, float]) -> None:
+def report(job: dict, run_id: str | None, summary: dict[str, float], headline: str) -> None:
     """Write summary.json and tell the user where the results are and how to open them."""
     out = Path(job["output_dir"])
     (out / "summary.json").write_text(json.dumps({"run_id": run_id, **summary}, indent=2))
     print(
-        f"mgpu: done. eval/accuracy {summary['eval/accuracy']:.4f}, "
-        f"{summary.get('train/samples_per_s', 0):,.0f} samples/s\n"
+        f"mgpu: done. {headline}\n"
         f"  outputs: {out} (model.pt, summary.json, logs/)"
     )
     if run_id:

@@ -24,7 +24,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mgpu.errors import ConfigError
 
-GROUPS = ("strategy", "precision", "compression", "network", "balance", "model", "data", "optim")
+GROUPS = (
+    "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
+)
 FAULT_MODES = ("exception", "sigkill", "nonfinite_grad")
 
 
@@ -83,6 +85,7 @@ class MgpuConfig:
     model: Any = MISSING
     data: Any = MISSING
     optim: Any = MISSING
+    task: Any = MISSING
 
 
 ConfigStore.instance().store(name="mgpu_schema", node=MgpuConfig)

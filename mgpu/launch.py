@@ -31,12 +31,14 @@ def torchrun_world() -> tuple[int, int] | None:
 def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
     """Run `worker.main` on every local rank; returns {global rank: summary}.
 
-    `env` (the network group's settings) is applied here, in the parent, so every worker
-    inherits it before any communication library reads it.
+    `env` (the network group's settings) goes to the workers, which set it before any
+    communication library reads it. It is not set in this process: the fork server, started
+    once, would keep the first job's settings for every later job of a sweep.
     """
-    # Workers fork from a server that has imported the worker code once (per sweep, not per
-    # job); unlike plain fork, it holds no state of this process (MLflow's database handles).
-    multiprocessing.set_forkserver_preload(["mgpu.worker"])
+    # Workers fork from a server that has imported the worker code (and the default task's)
+    # once per sweep, not per job; unlike plain fork, it holds no state of this process
+    # (MLflow's database handles).
+    multiprocessing.set_forkserver_preload(["mgpu.worker", "mgpu.task.train"])
     settings = job["launch"]
     min_nodes, max_nodes = parse_nnodes(settings["nnodes"])
     config = LaunchConfig(
@@ -51,8 +53,8 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
         start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job["output_dir"], "logs", "elastic")),
     )
-    with environment({**WORKER_ENV, **env}):
-        return elastic_launch(config, worker.main)(job, run_id)
+    with environment(WORKER_ENV):
+        return elastic_launch(config, worker.main)(job, run_id, env)
 
 
 @contextmanager

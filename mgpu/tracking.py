@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -85,6 +86,17 @@ def start_job_run(job: dict, choices: Mapping[str, str], overrides: list[str]) -
     client.log_text(run_id, OmegaConf.to_yaml(job), "config.yaml")
     client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
     return run_id
+
+
+def log_env(uri: str, run_id: str, env: Mapping[str, str], topology: Path | None = None) -> None:
+    """The variables the network group set for the workers, as `env.<NAME>` params (those keys
+    only, never the rest of the environment), and the GPU topology table where one was read."""
+    client = MlflowClient(uri)
+    params = [Param(f"env.{name}", str(value)[:MAX_PARAM_LENGTH]) for name, value in env.items()]
+    for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+    if topology and topology.exists():
+        client.log_artifact(run_id, str(topology))
 
 
 def finish_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:

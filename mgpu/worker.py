@@ -3,40 +3,43 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu import tracking
-from mgpu.run import Run
+from mgpu.config import instantiate_settings
 from mgpu.runtime import Runtime, init_runtime, shutdown
 
 log = logging.getLogger("mgpu.worker")
 
 
 @record
-def main(job: dict, run_id: str | None) -> dict[str, float]:
-    """Started by the elastic agent on every rank: join the group, build, train, save."""
+def main(job: dict, run_id: str | None, env: dict[str, str] | None = None) -> dict[str, float]:
+    """Started by the elastic agent on every rank: apply the network settings, join, run the task.
+
+    `env` is set here rather than inherited: workers fork from a server started once per
+    process, so a sweep's later jobs would otherwise see the first job's settings.
+    """
+    os.environ.update(env or {})
     rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
     try:
-        return train(job, rt, run_id)
+        return run_task(job, rt, run_id)
     finally:
         shutdown()
 
 
-def train(job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
-    run = Run.build(job, rt, run_id)
-    try:
-        summary = run.train()
-        run.save_weights()
-        return summary
-    finally:
-        run.close()
+def run_task(job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
+    """The job's task on this rank: train (the default) or another, e.g. task=commbench."""
+    return instantiate_settings(job["task"]).run(job, rt, run_id)
 
 
 def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]) -> dict:
     """torchrun started this process: rank 0 owns the MLflow run, which no parent holds here."""
+    env = instantiate_settings(job["network"]).env()
+    os.environ.update(env)  # before the process group reads it
     rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
     try:
         if dist.is_initialized():
@@ -45,13 +48,14 @@ def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]
             dist.broadcast_object_list(shared, src=0)
             job = shared[0]
         if not (rt.is_main and job["tracking"]["enabled"]):
-            return train(job, rt, None)
+            return run_task(job, rt, None)
         uri = job["tracking"]["uri"]
         run_id = tracking.start_job_run(job, choices, overrides)
+        tracking.log_env(uri, run_id, env)
         # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
-            summary = train(job, rt, run_id)
+            summary = run_task(job, rt, run_id)
         except BaseException as e:
             tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
             raise

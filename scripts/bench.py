@@ -8,6 +8,7 @@ listed in SECTIONS; `--only NAME` runs one.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -100,6 +101,41 @@ def bench_precision(rounds: int, workdir: Path) -> dict:
 
 
 SECTIONS = {"overhead": bench_overhead, "precision": bench_precision}
+def bench_commbench(rounds: int, workdir: Path) -> dict:
+    """task=commbench on 2 gloo processes: bus bandwidth and latency per op and message size.
+
+    Figures of this machine's gloo (medians over rounds), not a ratio: a reference for what a
+    CPU run's communication costs, and for comparing network settings on a real fabric.
+    """
+    max_bytes = 4 * 2**20
+    tables = []
+    for i in range(rounds):
+        out = workdir / f"commbench{i}"
+        subprocess.run(
+            [sys.executable, "-m", "mgpu", "task=commbench", f"task.max_bytes={max_bytes}",
+             "tracking.enabled=false", f"hydra.run.dir={out}"],
+            cwd=workdir, check=True, capture_output=True, text=True,
+        )
+        with open(out / "commbench.csv") as f:
+            tables.append(list(csv.DictReader(f)))
+    figures: dict[str, dict[str, dict[str, float]]] = {"busbw_GBps": {}, "latency_s": {}}
+    for row_index, row in enumerate(tables[0]):
+        for name, by_op in figures.items():
+            values = [float(table[row_index][name]) for table in tables]
+            by_op.setdefault(row["op"], {})[row["size_bytes"]] = statistics.median(values)
+    return {
+        "busbw_GBps_median": figures["busbw_GBps"],
+        "latency_s_median": figures["latency_s"],
+        "setup": f"python -m mgpu task=commbench task.max_bytes={max_bytes}: 1 KiB - 4 MiB "
+                 "float32, 5 warm-up + 20 timed calls per size, 2 gloo processes",
+    }
+
+
+SECTIONS = {
+    "overhead": bench_overhead,
+    "precision": bench_precision,
+    "commbench": bench_commbench,
+}
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 
@@ -12,3 +13,6 @@ class Network(Protocol):
 
     def env(self) -> dict[str, str]:
         """Environment variables this option sets (and only those) for the workers."""
+
+    def prepare_node(self, output_dir: Path) -> dict[str, str]:
+        """This machine's checks before the workers start; returns every variable to set."""

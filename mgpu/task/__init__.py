@@ -1,0 +1,18 @@
+"""Tasks: what the workers do once the process group is up: train, or benchmark the network."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mgpu.runtime import Runtime
+
+
+class Task(Protocol):
+    #: The summary key a Hydra sweeper optimises (returned by `python -m mgpu`).
+    objective: str
+
+    def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
+        """Do the task on this rank; rank 0's summary reaches the parent."""
+
+    def summary_line(self, summary: dict[str, float]) -> str:
+        """The headline figures for the final report, in one line."""

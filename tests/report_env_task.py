@@ -1,0 +1,29 @@
+"""A task for tests: each worker reports the communication settings it actually runs with.
+
+It plugs in like a user's own task (`task._target_=tests.report_env_task.ReportEnv`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from mgpu.config import instantiate_settings
+from mgpu.runtime import Runtime
+
+
+class ReportEnv:
+    objective = "bucket_bytes_cap"
+
+    def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict:
+        network = instantiate_settings(job["network"])
+        model = instantiate_settings(job["strategy"]).wrap(nn.Linear(4, 2), rt, network)
+        return {
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))},
+            "bucket_bytes_cap": model.bucket_bytes_cap,
+            "gradient_as_bucket_view": model.gradient_as_bucket_view,
+        }
+
+    def summary_line(self, summary: dict) -> str:
+        return f"bucket_bytes_cap {summary['bucket_bytes_cap']}"
