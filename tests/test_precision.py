@@ -119,7 +119,7 @@ SCALER = ["precision.init_scale=1024", "precision.growth_interval=4"]
 LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
 
 
-def train_and_save_every_rank(job: dict, run_id: str | None) -> dict:
+def train_and_save_every_rank(job: dict, run_id: str | None, env: dict | None = None) -> dict:
     """worker.main, but every rank saves its own weights, to compare the replicas."""
     rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
     try:
