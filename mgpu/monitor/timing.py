@@ -1,0 +1,127 @@
+"""Per-phase step timing: data, forward, backward, optimizer — without syncing the device.
+
+On CPU a mark is `time.perf_counter()`. On CUDA it is a timing event recorded on the current
+stream, so a phase's duration is the device's own time between its marks; the events are read
+at log points, after the loss has been fetched (which has already waited for the device).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class WallClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaClock:
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()  # already complete at a log point: the loss fetch waited for it
+        return start.elapsed_time(end) / 1000
+
+
+def clock_for(device: torch.device) -> WallClock | CudaClock:
+    return CudaClock() if device.type == "cuda" else WallClock()
+
+
+class NullTimer:
+    """The timer when monitoring is off: every phase is the same do-nothing context."""
+
+    _null = nullcontext()
+
+    def phase(self, name: str) -> nullcontext:
+        return self._null
+
+
+class PhaseTimer:
+    """Marks the phases of each step; turns them into seconds at log points.
+
+    `comm` (a `CommMeter`, or None) reports when this step's first collective was launched,
+    which gives each rank's compute before communication: the figure that names stragglers.
+    """
+
+    def __init__(self, device: torch.device, warmup_steps: int, comm: Any = None) -> None:
+        self.clock = clock_for(device)
+        self.nvtx = device.type == "cuda"
+        self.annotate = False  # set while torch.profiler records, to label its trace
+        self.warmup_steps = warmup_steps
+        self.comm = comm
+        self.step_start: Any = None
+        self.marks: list[tuple[str, Any, Any]] = []
+        self.pending: list[tuple[int, Any, list, Any, list]] = []
+        self.run: dict[str, list[float]] = {p: [] for p in PHASES}  # after warm-up, for pXX
+        self.window: list[dict[str, float]] = []  # every step since the last log point
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self.clock.mark()
+        if self.step_start is None:
+            self.step_start = start
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(name)
+        label = torch.profiler.record_function(name) if self.annotate else nullcontext()
+        try:
+            with label:
+                yield
+        finally:
+            if self.nvtx:
+                torch.cuda.nvtx.range_pop()
+            self.marks.append((name, start, self.clock.mark()))
+
+    def end_step(self, step: int) -> None:
+        """Close the step's marks (no device work: they are read at the next log point)."""
+        first_comm, collectives = self.comm.take_step() if self.comm else (None, [])
+        self.pending.append((step, self.step_start, self.marks, first_comm, collectives))
+        self.step_start, self.marks = None, []
+
+    def collect(self) -> list[dict[str, float]]:
+        """Seconds per phase of every step since the last call (also kept for percentiles)."""
+        seconds = self.clock.seconds
+        for step, step_start, marks, first_comm, collectives in self.pending:
+            times = dict.fromkeys(PHASES, 0.0)
+            for name, start, end in marks:
+                times[name] = times.get(name, 0.0) + seconds(start, end)
+            if first_comm is not None:
+                times["compute_before_comm"] = seconds(step_start, first_comm)
+            else:  # no collective in the step (one process): all of its compute
+                times["compute_before_comm"] = times["data"] + times["forward"] + times["backward"]
+            times["allreduce"] = sum(seconds(start, end) for start, end, _ in collectives)
+            times["comm_bytes"] = float(sum(nbytes for _, _, nbytes in collectives))
+            if step > self.warmup_steps:
+                for name in PHASES:
+                    self.run[name].append(times[name])
+            self.window.append(times)
+        self.pending.clear()
+        window, self.window = self.window, []
+        return window
+
+    def percentiles(self) -> dict[str, float]:
+        """p50/p90/p99 and the mean of each phase over the steps after warm-up."""
+        metrics = {}
+        for name, values in self.run.items():
+            if values:
+                p50, p90, p99 = np.percentile(values, [50, 90, 99])
+                metrics.update({
+                    f"time/{name}_p50_s": float(p50),
+                    f"time/{name}_p90_s": float(p90),
+                    f"time/{name}_p99_s": float(p99),
+                    f"time/{name}_mean_s": float(np.mean(values)),
+                })
+        return metrics
