@@ -20,7 +20,7 @@ from mgpu.errors import ConfigError
 from mgpu.model.mlp import MLP
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
-from tests.conftest import make_job, mlflow_runs
+from tests.conftest import QUICK, launch_job, make_job, mlflow_runs
 
 MLP_CFG = {"_target_": "mgpu.model.mlp.MLP", "hidden": [256, 256]}
 
@@ -46,6 +46,36 @@ def test_peak_table_picks_dense_peaks_by_name_and_dtype():
 def test_no_mfu_on_cpu(tmp_path):
     job = make_job([], tmp_path)
     assert MFU.for_run(job, None, torch.device("cpu"), None, world_size=2) is None
+
+
+class HalfPrecisionWire:
+    """A compression of the test's own: DDP's fp16 hook, registered as a compression would."""
+
+    def register(self, model: torch.nn.Module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.dist
+def test_comm_timing_wraps_the_hook_a_compression_registers(tmp_path):
+    """The timed wrapper composes: the compression's hook runs (the weights differ from plain
+    fp32 all-reduce) and the same gradient bytes and a positive all-reduce time are reported."""
+    args = [*QUICK, "optim=sgd", "optim.lr=0.05", "monitor.enabled=true"]
+    plain, plain_w = launch_job(args, tmp_path / "plain")
+    half, half_w = launch_job(
+        [*args, f"compression._target_={__name__}.HalfPrecisionWire"], tmp_path / "half")
+    assert any(not torch.equal(plain_w[k], half_w[k]) for k in plain_w)
+    grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
+    for summary in (plain, half):
+        assert summary["comm/bytes_per_step"] == grad_bytes
+        assert summary["comm/allreduce_s"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU driver")
@@ -171,3 +201,23 @@ def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces
     trace = Path(run.data.tags["mgpu.output_dir"], "profile", "trace_rank0.json")
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"forward", "backward", "optimizer"} <= names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_events_nvml_and_mfu(cli, tmp_path):
+    """On GPUs: phases from CUDA events still sum to the step, NVML figures and MFU appear."""
+    result = cli("train.steps=200", "train.warmup_steps=20", "train.log_every=50",
+                 "eval.every_steps=0", "monitor.enabled=true", "monitor.interval_s=0.2")
+    assert result.returncode == 0, result.stderr
+    [run] = mlflow_runs(tmp_path)
+    metrics = run.data.metrics
+    step_mean_s = 64 / metrics["train/samples_per_s"]
+    phases_s = sum(metrics[f"time/{p}_mean_s"] for p in ("data", "forward", "backward",
+                                                           "optimizer"))
+    assert 0.5 * step_mean_s < phases_s < 1.1 * step_mean_s, (phases_s, step_mean_s)
+    assert 0 < metrics["train/mfu"] < 1
+    assert metrics["gpu/memory_used_bytes_max"] > 0 and metrics["gpu/power_w_mean"] > 0
+    if torch.cuda.device_count() > 1:
+        grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
+        assert metrics["comm/bytes_per_step"] == grad_bytes

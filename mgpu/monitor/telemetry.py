@@ -96,13 +96,15 @@ class Telemetry:
         return values
 
     def _loop(self) -> None:
-        while not self.stopped.wait(self.interval_s):
+        while True:  # a first sample at once, then one per interval
             values = self.sample()
             with self.lock:
                 self.samples.append(values)
                 self.latest = values
             for listener in self.listeners:
                 listener(values)
+            if self.stopped.wait(self.interval_s):
+                return
 
     def window(self) -> list[float]:
         """Mean of each key over the samples since the last call (NaN where none was taken)."""
