@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from mgpu import launch, tracking, worker
 from mgpu.config import GROUPS, instantiate_settings, prepare
 from mgpu.errors import ConfigError, RunFailed
+from mgpu.monitor.system import system_metrics
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
@@ -48,7 +49,8 @@ def run_job(cfg: DictConfig) -> float:
     run_id = tracking.start_job_run(job, choices, overrides) if job["tracking"]["enabled"] else None
     network = instantiate_settings(job["network"])
     try:
-        results = launch.launch(job, run_id, network.env())
+        with system_metrics(job, run_id):  # sampled here, off the training ranks
+            results = launch.launch(job, run_id, network.env())
     except BaseException as e:
         failed = isinstance(e, ChildFailedError)
         error = launch.describe_failure(e, job) if failed else f"{type(e).__name__}: {e}"

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu import tracking
+from mgpu.monitor.system import system_metrics
 from mgpu.run import Run
 from mgpu.runtime import Runtime, init_runtime, shutdown
 
@@ -51,7 +52,8 @@ def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]
         # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
-            summary = train(job, rt, run_id)
+            with system_metrics(job, run_id):
+                summary = train(job, rt, run_id)
         except BaseException as e:
             tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
             raise

@@ -94,7 +94,7 @@ def bench_monitoring(rounds: int, workdir: Path) -> dict:
     steps, warmup = 2000, 100
     common = [f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=100",
               "eval.every_steps=0", "optim.schedule=constant", "strategy=ddp"]
-    monitored = ["monitor.enabled=true", "monitor.interval_s=1", "monitor.profile=true",
+    monitored = ["monitor.enabled=true", "monitor.profile=true",
                  "monitor.profile_start_step=10", "monitor.profile_steps=3",
                  "tracking.system_metrics=true"]
     samples = {"off": [], "on": []}

@@ -70,7 +70,7 @@ def test_comm_timing_wraps_the_hook_a_compression_registers(tmp_path):
     args = [*QUICK, "optim=sgd", "optim.lr=0.05", "monitor.enabled=true"]
     plain, plain_w = launch_job(args, tmp_path / "plain")
     half, half_w = launch_job(
-        [*args, f"compression._target_={__name__}.HalfPrecisionWire"], tmp_path / "half")
+        [*args, "compression._target_=tests.test_monitor.HalfPrecisionWire"], tmp_path / "half")
     assert any(not torch.equal(plain_w[k], half_w[k]) for k in plain_w)
     grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
     for summary in (plain, half):

@@ -66,13 +66,6 @@ class Monitor:
             trace = rt.output_dir / "profile" / f"trace_rank{rt.rank}.json"
             self.profiler = StepProfiler(
                 rt.device, cfg["profile_start_step"], cfg["profile_steps"], trace)
-        self.system_metrics = None
-        if job["tracking"]["system_metrics"] and rt.is_main and run_id:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            self.system_metrics = SystemMetricsMonitor(
-                run_id, sampling_interval=cfg["interval_s"], tracking_uri=self.uri)
-            self.system_metrics.start()
         if self.telemetry:
             self.telemetry.start()
         self.window_steps, self.window_start = 0, time.perf_counter()
@@ -160,8 +153,6 @@ class Monitor:
             self.telemetry.stop()
         if self.exporter:
             self.exporter.close()
-        if self.system_metrics:
-            self.system_metrics.finish()
         if self.profiler and self.profiler.written and self.run_id:
             try:
                 MlflowClient(self.uri).log_artifact(

@@ -7,7 +7,8 @@ communication), its completion (a callback on the future), and the bucket's size
 
 Any hook can be wrapped: while `CommMeter.intercept(model)` is open, a compression that calls
 `model.register_comm_hook(state, hook)` registers the timed wrapper of its own hook instead;
-if nothing registered a hook, torch's default all-reduce hook is registered, timed.
+if nothing registered a hook, an all-reduce of the bucket's mean (what DDP does by default) is
+registered, timed in one future callback per bucket.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.monitor.timing import clock_for
@@ -45,9 +45,10 @@ class CommMeter:
             record = [start, None, bucket.buffer().numel() * bucket.buffer().element_size()]
             self.collectives.append(record)
 
-            def done(fut: torch.futures.Future) -> Any:
+            def done(fut: torch.futures.Future) -> torch.Tensor:
                 record[1] = self.clock.mark()  # on CUDA: on the stream that waits for the result
-                return fut.value()
+                value = fut.value()
+                return value[0] if isinstance(value, list) else value  # a bare collective's
 
             return hook(state, bucket).then(done)
 
@@ -81,4 +82,15 @@ class CommMeter:
         finally:
             del model.register_comm_hook
         if not registered:
-            model.register_comm_hook(None, self.wrap(allreduce_hook))
+            model.register_comm_hook(None, self.wrap(allreduce_mean))
+
+
+def allreduce_mean(process_group, bucket):
+    """DDP's default reduction: the bucket divided by the world size, summed over ranks.
+
+    Unlike torch's `allreduce_hook` it returns the collective's own future, so the timing
+    callback is the only Python run when the collective completes.
+    """
+    group = process_group or dist.group.WORLD
+    buffer = bucket.buffer().div_(group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
