@@ -51,7 +51,8 @@ class NullTimer:
 
 class Phase:
     """One phase of a step: marks at entry and exit, an NVTX range on CUDA, a profiler label
-    while torch.profiler records. A plain class: cheaper per step than a generator context."""
+    while torch.profiler records. A plain class, one instance per phase name, reused every
+    step: cheaper than a generator context (phases of one name never nest)."""
 
     __slots__ = ("timer", "name", "start", "label")
 
@@ -94,11 +95,15 @@ class PhaseTimer:
         self.step_start: Any = None
         self.marks: list[tuple[str, Any, Any]] = []
         self.pending: list[tuple[int, Any, list, Any, list]] = []
-        self.run: dict[str, list[float]] = {p: [] for p in PHASES}  # after warm-up, for pXX
+        self.run = np.empty((1024, len(PHASES)))  # a row per step after warm-up, for pXX
+        self.run_steps = 0
         self.window: list[dict[str, float]] = []  # every step since the last log point
+        self.phases: dict[str, Phase] = {}
 
     def phase(self, name: str) -> Phase:
-        return Phase(self, name)
+        if name not in self.phases:
+            self.phases[name] = Phase(self, name)
+        return self.phases[name]
 
     def end_step(self, step: int) -> None:
         """Close the step's marks (no device work: they are read at the next log point)."""
@@ -120,8 +125,10 @@ class PhaseTimer:
             times["allreduce"] = sum(seconds(start, end) for start, end, _ in collectives)
             times["comm_bytes"] = float(sum(nbytes for _, _, nbytes in collectives))
             if step > self.warmup_steps:
-                for name in PHASES:
-                    self.run[name].append(times[name])
+                if self.run_steps == len(self.run):
+                    self.run = np.concatenate([self.run, np.empty_like(self.run)])
+                self.run[self.run_steps] = [times[name] for name in PHASES]
+                self.run_steps += 1
             self.window.append(times)
         self.pending.clear()
         window, self.window = self.window, []
@@ -129,14 +136,17 @@ class PhaseTimer:
 
     def percentiles(self) -> dict[str, float]:
         """p50/p90/p99 and the mean of each phase over the steps after warm-up."""
+        if not self.run_steps:
+            return {}
+        run = self.run[: self.run_steps]
+        p50, p90, p99 = np.percentile(run, [50, 90, 99], axis=0)
+        mean = run.mean(axis=0)
         metrics = {}
-        for name, values in self.run.items():
-            if values:
-                p50, p90, p99 = np.percentile(values, [50, 90, 99])
-                metrics.update({
-                    f"time/{name}_p50_s": float(p50),
-                    f"time/{name}_p90_s": float(p90),
-                    f"time/{name}_p99_s": float(p99),
-                    f"time/{name}_mean_s": float(np.mean(values)),
-                })
+        for i, name in enumerate(PHASES):
+            metrics.update({
+                f"time/{name}_p50_s": float(p50[i]),
+                f"time/{name}_p90_s": float(p90[i]),
+                f"time/{name}_p99_s": float(p99[i]),
+                f"time/{name}_mean_s": float(mean[i]),
+            })
         return metrics
