@@ -67,7 +67,9 @@ class CommMeter:
     @contextmanager
     def intercept(self, model: Any) -> Iterator[None]:
         """Time whatever hook is registered on `model` inside; default to a timed all-reduce."""
-        if not isinstance(model, DistributedDataParallel):
+        if not isinstance(model, DistributedDataParallel) or model._comm_hooks:
+            # Not DDP, or a hook was registered earlier, outside this block: DDP takes one hook
+            # only, so it stays untimed (its collectives report no comm figures).
             yield
             return
         registered = []
