@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from mgpu import launch, tracking, worker
 from mgpu.config import GROUPS, instantiate_settings, prepare
 from mgpu.errors import ConfigError, RunFailed
+from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
 
 
@@ -52,7 +53,8 @@ def run_job(cfg: DictConfig) -> float:
     if run_id:
         tracking.log_env(uri, run_id, env, Path(job["output_dir"]) / TOPOLOGY_FILE)
     try:
-        results = launch.launch(job, run_id, env)
+        with system_metrics(job, run_id):  # sampled here, off the training ranks
+            results = launch.launch(job, run_id, env)
     except BaseException as e:
         failed = isinstance(e, ChildFailedError)
         error = launch.describe_failure(e, job) if failed else f"{type(e).__name__}: {e}"

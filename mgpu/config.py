@@ -59,6 +59,18 @@ class TrackingConf:
     uri: str | None = None
     experiment: str = "mgpu"
     run_name: str | None = None
+    system_metrics: bool = False  # MLflow's own CPU/GPU/memory sampling, logged by rank 0
+
+
+@dataclass
+class MonitorConf:
+    enabled: bool = False  # step-phase breakdown, comm timing, telemetry, MFU (mgpu/monitor/)
+    interval_s: float = 5.0  # telemetry sampling period
+    prometheus_port: int | None = None  # None = no exporter; rank r serves on port + local rank
+    prometheus_host: str = "127.0.0.1"  # address the exporter binds to
+    profile: bool = False  # torch.profiler over a step window → Chrome trace artifact
+    profile_start_step: int = 10  # first profiled step (>= 2)
+    profile_steps: int = 3  # profiled steps
 
 
 @dataclass
@@ -77,6 +89,7 @@ class MgpuConfig:
     launch: LaunchConf = field(default_factory=LaunchConf)
     tracking: TrackingConf = field(default_factory=TrackingConf)
     fault: FaultConf = field(default_factory=FaultConf)
+    monitor: MonitorConf = field(default_factory=MonitorConf)
     strategy: Any = MISSING
     precision: Any = MISSING
     compression: Any = MISSING
@@ -206,6 +219,27 @@ def check_root(job: dict) -> None:
         raise ConfigError(f"fault.mode={fault['mode']}: use null, {' or '.join(FAULT_MODES)}")
 
 
+def check_monitor(job: dict) -> None:
+    monitor, steps = job["monitor"], job["train"]["steps"]
+    if monitor["interval_s"] <= 0:
+        raise ConfigError(f"monitor.interval_s={monitor['interval_s']}: must be > 0")
+    port = monitor["prometheus_port"]
+    if port is not None and not 1024 <= port <= 65535 - job["launch"]["nproc_per_node"]:
+        raise ConfigError(
+            f"monitor.prometheus_port={port}: use a port in 1024..65535 (rank r serves on "
+            f"port + local rank), or null for no exporter"
+        )
+    if monitor["profile"]:
+        start, count = monitor["profile_start_step"], monitor["profile_steps"]
+        _positive("monitor.profile_start_step", start, 2)
+        _positive("monitor.profile_steps", count)
+        if start + count - 1 > steps:
+            raise ConfigError(
+                f"monitor.profile_start_step={start} + profile_steps={count} runs past "
+                f"train.steps={steps}; profile an earlier window"
+            )
+
+
 def check_batch(job: dict, world_size: int) -> None:
     """The global batch must split into equal micro-batches over ranks and accumulation steps."""
     batch, accum = job["data"]["batch_size"], job["train"]["grad_accum"]
@@ -253,6 +287,7 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
     job["launch"]["world_size"] = world_size
     check_batch(job, world_size)
     check_fault(job, world_size)
+    check_monitor(job)
     for obj in settings.values():
         if hasattr(obj, "validate"):
             obj.validate(job)

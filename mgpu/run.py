@@ -26,6 +26,7 @@ from mgpu import fault
 from mgpu.compression import Compression
 from mgpu.data.loader import eval_batches, train_batches
 from mgpu.meter import StepMeter, peak_memory_bytes
+from mgpu.monitor import Monitor
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
@@ -47,6 +48,7 @@ class Run:
     batches: Any
     val_loader: torch.utils.data.DataLoader
     tracker: MetricLogger | None
+    monitor: Monitor
 
     @classmethod
     def build(cls, job: dict, rt: Runtime, run_id: str | None) -> Run:
@@ -63,9 +65,11 @@ class Run:
         model = strategy.wrap(model, rt, instantiate(job["network"]))
         precision.attach(model, rt.device)
         compression = instantiate(job["compression"])
-        compression.register(model)
         balance = instantiate(job["balance"])
         local_batch = balance.local_batch_size(data.batch_size, rt.rank, rt.world_size)
+        monitor = Monitor(job, rt, run_id, data, precision, local_batch)
+        with monitor.comm_hooks(model):  # times whichever comm hook the compression installs
+            compression.register(model)
         micro_batch = local_batch // job["train"]["grad_accum"]
         optimizer, scheduler = instantiate(job["optim"]).build(
             model.parameters(), job["train"]["steps"]
@@ -85,6 +89,7 @@ class Run:
             batches=train_batches(train_set, micro_batch, rt, job["seed"]),
             val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
             tracker=tracker,
+            monitor=monitor,
         )
 
     def train(self) -> dict[str, float]:
@@ -101,6 +106,7 @@ class Run:
                 if step == fail_at:
                     fault.inject(self.job["fault"]["mode"], self.rt.rank, step, self.model)
                 meter.record(step, self.train_step())
+                self.monitor.end_step(step)
                 if step % log_every == 0 or step == steps:
                     metrics = self.log_point(step, meter)
                     rate = metrics.get("train/samples_per_s", 0)
@@ -115,18 +121,22 @@ class Run:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the (detached) loss."""
         accum = self.job["train"]["grad_accum"]
+        timer = self.monitor.timer
         total = None
         for micro in range(accum):
-            inputs, labels = next(self.batches)
+            with timer.phase("data"):
+                inputs, labels = next(self.batches)
             last = micro == accum - 1
             with nullcontext() if last else self.strategy.no_sync(self.model):
-                with self.precision.autocast(self.rt.device):
+                with timer.phase("forward"), self.precision.autocast(self.rt.device):
                     loss = F.cross_entropy(self.model(inputs), labels)
-                self.precision.backward(loss / accum if accum > 1 else loss)
+                with timer.phase("backward"):
+                    self.precision.backward(loss / accum if accum > 1 else loss)
             total = loss.detach() if total is None else total + loss.detach()
-        self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with timer.phase("optimizer"):
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
         return total / accum if accum > 1 else total
 
     def log_point(self, step: int, meter: StepMeter) -> dict[str, float]:
@@ -138,6 +148,7 @@ class Run:
             **meter.throughput(),
             **self.precision.metrics(),
         }
+        metrics.update(self.monitor.log_point(step, metrics))
         log.info(
             "step %d  loss %.4f  %s samples/s",
             step, metrics["train/loss"], f"{metrics.get('train/samples_per_s', 0):,.0f}",
@@ -176,6 +187,7 @@ class Run:
             torch.save(state, self.rt.output_dir / "model.pt")
 
     def close(self) -> None:
+        self.monitor.close()
         if self.tracker:
             self.tracker.close()
 

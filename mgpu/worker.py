@@ -11,6 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu import tracking
 from mgpu.config import instantiate_settings
+from mgpu.monitor.system import system_metrics
 from mgpu.runtime import Runtime, init_runtime, shutdown
 
 log = logging.getLogger("mgpu.worker")
@@ -55,7 +56,8 @@ def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]
         # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
-            summary = run_task(job, rt, run_id)
+            with system_metrics(job, run_id):
+                summary = run_task(job, rt, run_id)
         except BaseException as e:
             tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
             raise

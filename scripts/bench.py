@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,6 @@ def bench_precision(rounds: int, workdir: Path) -> dict:
     }
 
 
-SECTIONS = {"overhead": bench_overhead, "precision": bench_precision}
 def bench_commbench(rounds: int, workdir: Path) -> dict:
     """task=commbench on 2 gloo processes: bus bandwidth and latency per op and message size.
 
@@ -131,10 +131,52 @@ def bench_commbench(rounds: int, workdir: Path) -> dict:
     }
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 also free on 127.0.0.1: the exporters of two local ranks."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def bench_monitoring(rounds: int, workdir: Path) -> dict:
+    """mgpu strategy=ddp with all monitoring on (phase timing, comm hook, telemetry thread,
+    Prometheus exporter, MLflow system metrics, a profiler window inside warm-up) vs off.
+
+    Target: on / off >= 0.98.
+    """
+    steps, warmup = 2000, 100
+    common = [f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=100",
+              "eval.every_steps=0", "optim.schedule=constant", "strategy=ddp"]
+    monitored = ["monitor.enabled=true", "monitor.profile=true",
+                 "monitor.profile_start_step=10", "monitor.profile_steps=3",
+                 "tracking.system_metrics=true"]
+    samples = {"off": [], "on": []}
+    for _ in range(rounds):
+        samples["off"].append(run_mgpu(common, workdir)["train/samples_per_s"])
+        on = [*common, *monitored, f"monitor.prometheus_port={free_port_pair()}"]
+        samples["on"].append(run_mgpu(on, workdir)["train/samples_per_s"])
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    return {
+        "samples_per_s_median": median,
+        "samples_per_s_rounds": samples,
+        "ratio_on_to_off": median["on"] / median["off"],
+        "target_ratio": 0.98,
+        "setup": f"MLP 64-256-256-10 on digits, global batch 64, {steps} steps "
+                 f"({warmup} warm-up), AdamW constant lr, 2 gloo processes",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
     "commbench": bench_commbench,
+    "monitoring": bench_monitoring,
 }
 
 

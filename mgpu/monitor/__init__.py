@@ -1,0 +1,161 @@
+"""Observability for one rank: the `monitor` section of the config, assembled in one object.
+
+`Run` holds a `Monitor` and calls it at four points: around `compression.register` (to time
+the comm hook), around each phase of a step (`monitor.timer.phase(name)`), after each step, and
+at log points, where every rank joins one small all-reduce that gathers the window's figures
+so rank 0 can log min/mean/max across ranks and name the slowest rank. With monitoring off
+(the default) the timer is a shared no-op context and nothing else is built.
+
+One module per concern: timing (phases), comm (hook wrapper), telemetry (NVML / CPU thread),
+prometheus (exporter), profiler (torch.profiler window), mfu (FLOPs against the peak table).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mlflow.tracking import MlflowClient
+
+from mgpu.monitor.comm import CommMeter
+from mgpu.monitor.mfu import MFU
+from mgpu.monitor.profiler import StepProfiler
+from mgpu.monitor.prometheus import Exporter
+from mgpu.monitor.telemetry import Telemetry
+from mgpu.monitor.timing import PHASES, NullTimer, PhaseTimer
+from mgpu.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+# Per-rank window figures gathered at log points, ahead of the telemetry keys.
+WINDOW_KEYS = ("compute_before_comm", "allreduce", "comm_bytes")
+
+
+class Monitor:
+    def __init__(
+        self, job: dict, rt: Runtime, run_id: str | None, data: Any, precision: Any,
+        local_batch: int,
+    ) -> None:
+        cfg = job["monitor"]
+        self.rt, self.run_id, self.uri = rt, run_id, job["tracking"]["uri"]
+        self.enabled = cfg["enabled"]
+        self.local_batch = local_batch
+        self.comm = CommMeter(rt.device) if self.enabled and rt.world_size > 1 else None
+        self.timer: PhaseTimer | NullTimer = (
+            PhaseTimer(rt.device, job["train"]["warmup_steps"], self.comm)
+            if self.enabled else NullTimer()
+        )
+        self.telemetry = Telemetry(rt.device, cfg["interval_s"]) if self.enabled else None
+        self.mfu = (
+            MFU.for_run(job, data, rt.device, precision, rt.world_size) if self.enabled else None
+        )
+        self.exporter = None
+        if cfg["prometheus_port"] is not None:
+            port = cfg["prometheus_port"] + rt.local_rank
+            self.exporter = Exporter(cfg["prometheus_host"], port, rt.rank)
+            if self.telemetry:
+                self.telemetry.listeners.append(self.exporter.update_device)
+        self.profiler = None
+        if cfg["profile"]:
+            trace = rt.output_dir / "profile" / f"trace_rank{rt.rank}.json"
+            self.profiler = StepProfiler(
+                rt.device, cfg["profile_start_step"], cfg["profile_steps"], trace)
+        if self.telemetry:
+            self.telemetry.start()
+        self.window_steps, self.window_start = 0, time.perf_counter()
+
+    def comm_hooks(self, model: torch.nn.Module) -> AbstractContextManager:
+        """Context around `compression.register(model)`: times whichever comm hook it installs."""
+        return self.comm.intercept(model) if self.comm else nullcontext()
+
+    def end_step(self, step: int) -> None:
+        if self.enabled:
+            self.timer.end_step(step)
+        if self.profiler:
+            recording = self.profiler.after_step(step)
+            if recording is not None and self.enabled:
+                self.timer.annotate = recording
+        self.window_steps += 1
+
+    def log_point(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The window's figures; every rank must call it (it holds one all-reduce when enabled).
+
+        Returns the metrics rank 0 logs (an empty dict on other ranks, or when monitoring is off).
+        """
+        now = time.perf_counter()
+        step_s = (now - self.window_start) / max(self.window_steps, 1)
+        window = self.timer.collect() if self.enabled else []
+        if self.exporter:
+            self.export(step, step_s, metrics.get("train/loss"), window)
+        self.window_steps, self.window_start = 0, now
+        if not self.enabled:
+            return {}
+        local = [
+            float(np.mean([w[key] for w in window])) if window else math.nan
+            for key in WINDOW_KEYS
+        ] + self.telemetry.window()
+        table = self.gather(local)
+        if not self.rt.is_main:
+            return {}
+        out = self.timer.percentiles()
+        out.update(self.across_ranks(table))
+        if self.mfu and "train/samples_per_s" in metrics:
+            out["train/mfu"] = self.mfu(metrics["train/samples_per_s"])
+        return out
+
+    def gather(self, row: list[float]) -> np.ndarray:
+        """Every rank's row as a (world size x len(row)) table: one all-reduce of a small tensor."""
+        rt = self.rt
+        table = torch.zeros(rt.world_size, len(row), dtype=torch.float64, device=rt.device)
+        table[self.rt.rank] = torch.tensor(row, dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(table)
+        return table.cpu().numpy()
+
+    def across_ranks(self, table: np.ndarray) -> dict[str, float]:
+        """Stragglers, communication and telemetry of the window, from the gathered table."""
+        compute, allreduce, nbytes = table[:, 0], table[:, 1], table[:, 2]
+        out = {}
+        if not np.isnan(compute).all():
+            out["time/slowest_rank"] = float(np.nanargmax(compute))
+            out["time/compute_before_comm_max_s"] = float(np.nanmax(compute))
+            out["time/compute_before_comm_min_s"] = float(np.nanmin(compute))
+        if self.comm and np.nansum(nbytes) > 0:
+            out["comm/allreduce_s"] = float(np.nanmean(allreduce))
+            out["comm/bytes_per_step"] = float(nbytes[0])
+            out["comm/bandwidth_GBps"] = float(np.nanmean(nbytes / allreduce)) / 1e9
+        for i, key in enumerate(self.telemetry.keys, start=len(WINDOW_KEYS)):
+            column = table[:, i]
+            if not np.isnan(column).all():
+                out[f"{key}_min"] = float(np.nanmin(column))
+                out[f"{key}_mean"] = float(np.nanmean(column))
+                out[f"{key}_max"] = float(np.nanmax(column))
+        return out
+
+    def export(self, step: int, step_s: float, loss: float | None, window: list[dict]) -> None:
+        phases = {p: float(np.mean([w[p] for w in window])) for p in PHASES} if window else {}
+        comm_s = float(np.mean([w["allreduce"] for w in window])) if window and self.comm else None
+        comm_bytes = sum(w["comm_bytes"] for w in window)
+        self.exporter.update_window(
+            step, self.window_steps, self.window_steps * self.local_batch, step_s, loss,
+            phases, comm_s, comm_bytes,
+        )
+
+    def close(self) -> None:
+        """Stop the threads and the exporter; log this rank's profiler trace to the run."""
+        if self.telemetry:
+            self.telemetry.stop()
+        if self.exporter:
+            self.exporter.close()
+        if self.profiler and self.profiler.written and self.run_id:
+            try:
+                MlflowClient(self.uri).log_artifact(
+                    self.run_id, str(self.profiler.path), artifact_path="profile")
+            except Exception as e:  # tracking trouble must not fail a finished run
+                log.warning("could not log the profiler trace to MLflow: %s", e)

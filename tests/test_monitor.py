@@ -1,0 +1,223 @@
+"""Monitoring: step-phase breakdown, comm bytes from the hook, exporter, trace, telemetry, MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from mgpu.errors import ConfigError
+from mgpu.model.mlp import MLP
+from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
+from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
+from tests.conftest import QUICK, launch_job, make_job, mlflow_runs
+
+MLP_CFG = {"_target_": "mgpu.model.mlp.MLP", "hidden": [256, 256]}
+
+
+def test_flop_count_of_the_mlp_matches_its_matmuls():
+    """Forward 2·B·W, weight gradients 2·B·W, input gradients 2·B·W for all but the first
+    layer (the data needs no gradient): W = the weight count of the three Linear layers."""
+    layers = [(64, 256), (256, 256), (256, 10)]
+    weights = sum(i * o for i, o in layers)
+    expected = 2 * weights + 2 * weights + 2 * (weights - 64 * 256)
+    assert flops_per_sample(MLP_CFG, (64,), 10) == expected
+
+
+def test_peak_table_picks_dense_peaks_by_name_and_dtype():
+    assert peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=False) == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", torch.bfloat16, tf32=False) == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=False) == 19.5e12
+    assert peak_flops("NVIDIA L40S", torch.float16, tf32=False) == 362e12
+    assert peak_flops("Some Unknown GPU", torch.bfloat16, tf32=False) is None
+
+
+def test_no_mfu_on_cpu(tmp_path):
+    job = make_job([], tmp_path)
+    assert MFU.for_run(job, None, torch.device("cpu"), None, world_size=2) is None
+
+
+class HalfPrecisionWire:
+    """A compression of the test's own: DDP's fp16 hook, registered as a compression would."""
+
+    def register(self, model: torch.nn.Module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.dist
+def test_comm_timing_wraps_the_hook_a_compression_registers(tmp_path):
+    """The timed wrapper composes: the compression's hook runs (the weights differ from plain
+    fp32 all-reduce) and the same gradient bytes and a positive all-reduce time are reported."""
+    args = [*QUICK, "optim=sgd", "optim.lr=0.05", "monitor.enabled=true"]
+    plain, plain_w = launch_job(args, tmp_path / "plain")
+    half, half_w = launch_job(
+        [*args, "compression._target_=tests.test_monitor.HalfPrecisionWire"], tmp_path / "half")
+    assert any(not torch.equal(plain_w[k], half_w[k]) for k in plain_w)
+    grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
+    for summary in (plain, half):
+        assert summary["comm/bytes_per_step"] == grad_bytes
+        assert summary["comm/allreduce_s"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU driver")
+def test_without_nvml_telemetry_reports_cpu_and_ram_and_does_not_crash():
+    """A CUDA device whose NVML cannot start (no driver here): GPU figures absent, CPU present."""
+    telemetry = Telemetry(torch.device("cuda", 0), interval_s=0.05)
+    assert telemetry.gpu is None
+    telemetry.start()
+    time.sleep(0.3)
+    values = dict(zip(telemetry.keys, telemetry.window(), strict=True))
+    telemetry.stop()
+    assert all(math.isnan(values[k]) for k in GPU_KEYS)
+    assert all(math.isfinite(values[k]) for k in CPU_KEYS)
+    assert values["cpu/rss_bytes"] > 10e6 and 0 < values["cpu/ram_used_ratio"] < 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["monitor.prometheus_port=80"], "monitor.prometheus_port"),
+        (["monitor.interval_s=0"], "monitor.interval_s"),
+        (["monitor.profile=true", "monitor.profile_start_step=1"], "monitor.profile_start_step"),
+        (["monitor.profile=true", "train.steps=30", "train.warmup_steps=5",
+          "monitor.profile_start_step=29"], "monitor.profile_start_step"),
+    ],
+)
+def test_bad_monitor_settings_fail_before_launch(tmp_path, overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        make_job(overrides, tmp_path)
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (one per local rank)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port > 65000:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
+def scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def samples_total(text: str | None, rank: int) -> float:
+    for line in (text or "").splitlines():
+        if line.startswith(f'mgpu_samples_total{{rank="{rank}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.slow
+def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces(tmp_path):
+    """One 2-rank DDP run with everything on; the exporter is scraped while it trains."""
+    port = free_port_pair()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    args = ["train.steps=400", "train.warmup_steps=20", "train.log_every=50",
+            "eval.every_steps=0", "monitor.enabled=true", "monitor.interval_s=0.5",
+            f"monitor.prometheus_port={port}", "monitor.profile=true",
+            "monitor.profile_start_step=10", "monitor.profile_steps=3",
+            "tracking.system_metrics=true"]
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pages: dict[int, str] = {}
+    for _ in range(2400):  # bounded: at most ~2 minutes of polling, two requests each
+        for rank in (0, 1):
+            text = scrape(port + rank)
+            if samples_total(text, rank) > 0:
+                pages.setdefault(rank, text)
+        if len(pages) == 2 or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+
+    # Prometheus: both ranks served live series with their rank label, on loopback.
+    assert set(pages) == {0, 1}, "the exporter never answered with samples during the run"
+    for rank, text in pages.items():
+        for name in ("mgpu_step_duration_seconds", "mgpu_phase_duration_seconds",
+                     "mgpu_allreduce_duration_seconds", "mgpu_comm_bytes_total", "mgpu_loss"):
+            assert f'{name}{{' in text and f'rank="{rank}"' in text, name
+        assert samples_total(text, rank) % 32 == 0  # whole local batches of 64 / 2 ranks
+
+    [run] = mlflow_runs(tmp_path)
+    metrics = run.data.metrics
+    # The breakdown sums to the step time: the phases are disjoint intervals of each step, so
+    # their sum is at most the step; the remainder (loop, loss bookkeeping, log points) < 15 %.
+    step_mean_s = 64 / metrics["train/samples_per_s"]
+    phases_s = sum(metrics[f"time/{p}_mean_s"] for p in ("data", "forward", "backward",
+                                                           "optimizer"))
+    assert 0.85 * step_mean_s < phases_s <= step_mean_s * 1.0001, (phases_s, step_mean_s)
+    for phase in ("data", "forward", "backward", "optimizer"):
+        p50, p90, p99 = (metrics[f"time/{phase}_{q}_s"] for q in ("p50", "p90", "p99"))
+        assert 0 < p50 <= p90 <= p99
+    # Comm bytes from the hook = the model's gradient bytes (fp32, one all-reduce per step).
+    grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
+    assert metrics["comm/bytes_per_step"] == grad_bytes
+    assert metrics["comm/allreduce_s"] > 0 and metrics["comm/bandwidth_GBps"] > 0
+    assert metrics["time/slowest_rank"] in (0, 1)
+    assert metrics["time/compute_before_comm_max_s"] >= metrics["time/compute_before_comm_min_s"]
+    # Telemetry without NVML: CPU and RAM across ranks, no GPU figures, no MFU on CPU.
+    assert metrics["cpu/rss_bytes_min"] <= metrics["cpu/rss_bytes_mean"] <= metrics[
+        "cpu/rss_bytes_max"]
+    assert not [k for k in metrics if k.startswith("gpu/")] and "train/mfu" not in metrics
+    assert [k for k in metrics if k.startswith("system/")], "MLflow system metrics missing"
+
+    # The profiler's Chrome trace of every rank is an artifact of the run, phases labelled.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
+    assert artifacts == {"profile/trace_rank0.json", "profile/trace_rank1.json"}
+    trace = Path(run.data.tags["mgpu.output_dir"], "profile", "trace_rank0.json")
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"forward", "backward", "optimizer"} <= names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_events_nvml_and_mfu(cli, tmp_path):
+    """On GPUs: phases from CUDA events still sum to the step, NVML figures and MFU appear."""
+    result = cli("train.steps=200", "train.warmup_steps=20", "train.log_every=50",
+                 "eval.every_steps=0", "monitor.enabled=true", "monitor.interval_s=0.2")
+    assert result.returncode == 0, result.stderr
+    [run] = mlflow_runs(tmp_path)
+    metrics = run.data.metrics
+    step_mean_s = 64 / metrics["train/samples_per_s"]
+    phases_s = sum(metrics[f"time/{p}_mean_s"] for p in ("data", "forward", "backward",
+                                                           "optimizer"))
+    assert 0.5 * step_mean_s < phases_s < 1.1 * step_mean_s, (phases_s, step_mean_s)
+    assert 0 < metrics["train/mfu"] < 1
+    assert metrics["gpu/memory_used_bytes_max"] > 0 and metrics["gpu/power_w_mean"] > 0
+    if torch.cuda.device_count() > 1:
+        grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
+        assert metrics["comm/bytes_per_step"] == grad_bytes

@@ -1,0 +1,52 @@
+"""`python -m mgpu.report` on a real 2x2 sweep run through the CLI into a temporary store."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from mgpu.model.mlp import MLP
+from tests.conftest import QUICK, mlflow_runs
+
+pytestmark = pytest.mark.slow
+
+
+def test_report_turns_a_2x2_sweep_into_a_table_and_plots(cli, tmp_path):
+    result = cli("-m", *QUICK, "monitor.enabled=true", "strategy=single,ddp",
+                 "optim.lr=1e-3,3e-3")
+    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    report = subprocess.run(
+        [sys.executable, "-m", "mgpu.report", "--experiment", "mgpu", "--out", "rep"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert report.returncode == 0, report.stderr
+
+    with open(tmp_path / "rep" / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    assert {(r["strategy"], r["optim.lr"]) for r in rows} == {
+        ("single", "0.001"), ("single", "0.003"), ("ddp", "0.001"), ("ddp", "0.003")}
+    assert all(float(r["eval/accuracy"]) > 0 and float(r["train/samples_per_s"]) > 0
+               for r in rows)
+    # Comm bytes only where there is communication: the DDP jobs, one fp32 gradient each.
+    grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
+    assert {r["comm/bytes_per_step"] for r in rows if r["strategy"] == "ddp"} == {
+        str(float(grad_bytes))}
+    assert {r["comm/bytes_per_step"] for r in rows if r["strategy"] == "single"} == {""}
+    markdown = (tmp_path / "rep" / "report.md").read_text()
+    assert markdown.count("| FINISHED |") == 4
+    png = tmp_path / "rep" / "throughput_vs_accuracy.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "rep" / "scaling.png").exists()  # world size 1 and 2 in this sweep
+
+    [parent] = [r for r in mlflow_runs(tmp_path) if "mlflow.parentRunId" not in r.data.tags]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.md", "report/report.csv",
+            "report/throughput_vs_accuracy.png", "report/scaling.png"} <= logged
