@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from mgpu import launch, tracking, worker
+from mgpu import checkpoint, launch, tracking, worker
 from mgpu.config import GROUPS, instantiate_settings, prepare
 from mgpu.errors import ConfigError, RunFailed
 
@@ -45,7 +45,10 @@ def run_job(cfg: DictConfig) -> float:
         return summary["eval/accuracy"]
 
     uri = job["tracking"]["uri"]
-    run_id = tracking.start_job_run(job, choices, overrides) if job["tracking"]["enabled"] else None
+    run_id = None
+    if job["tracking"]["enabled"]:
+        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
+        run_id = resumed or tracking.start_job_run(job, choices, overrides)
     network = instantiate_settings(job["network"])
     try:
         results = launch.launch(job, run_id, network.env())

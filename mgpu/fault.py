@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+log = logging.getLogger("mgpu.fault")
 
 
 def fault_step(fault: dict, rank: int) -> int | None:
@@ -15,6 +22,24 @@ def fault_step(fault: dict, rank: int) -> int | None:
 
 
 def inject(mode: str, rank: int, step: int) -> None:
+    if mode == "hang":  # stop here for good, as a rank stuck outside any collective would
+        log.warning("injected hang on rank %d at step %d", rank, step)
+        threading.Event().wait()
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault (fault.mode={mode}) on rank {rank} at step {step}")
+
+
+@contextmanager
+def naming_step() -> Iterator[SimpleNamespace]:
+    """Errors escaping the training loop name the step they happened at (set `.step`).
+
+    A rank whose peer hangs fails with a collective timeout that says nothing about where;
+    with the step in the message the user's one-line summary says where the group stopped.
+    """
+    at = SimpleNamespace(step=0)
+    try:
+        yield at
+    except Exception as e:
+        lines = [line for line in str(e).strip().splitlines() if line.strip()] or [""]
+        raise RuntimeError(f"at step {at.step}: {type(e).__name__}: {lines[-1]}") from e

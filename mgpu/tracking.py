@@ -17,6 +17,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
@@ -84,6 +85,21 @@ def start_job_run(job: dict, choices: Mapping[str, str], overrides: list[str]) -
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
     client.log_text(run_id, OmegaConf.to_yaml(job), "config.yaml")
     client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
+    return run_id
+
+
+def continue_run(uri: str, run_id: str | None) -> str | None:
+    """Reopen the run a checkpoint was saved by, so a resumed job continues it (its params
+    stay as first logged); None if there is none or it is not in this store."""
+    if run_id is None:
+        return None
+    client = MlflowClient(uri)
+    try:
+        client.get_run(run_id)
+    except MlflowException:
+        log.warning("run %s of the checkpoint is not in %s: starting a new run", run_id, uri)
+        return None
+    client.update_run(run_id, status="RUNNING")
     return run_id
 
 

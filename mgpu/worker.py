@@ -8,7 +8,7 @@ import signal
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mgpu import tracking
+from mgpu import checkpoint, tracking
 from mgpu.run import Run
 from mgpu.runtime import Runtime, init_runtime, shutdown
 
@@ -47,7 +47,8 @@ def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]
         if not (rt.is_main and job["tracking"]["enabled"]):
             return train(job, rt, None)
         uri = job["tracking"]["uri"]
-        run_id = tracking.start_job_run(job, choices, overrides)
+        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
+        run_id = resumed or tracking.start_job_run(job, choices, overrides)
         # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:

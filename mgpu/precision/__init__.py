@@ -21,3 +21,8 @@ class Precision(Protocol):
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply the optimizer step; return False where the step was skipped."""
+
+    def state_dict(self) -> dict:
+        """Loss-scaler state (scale, growth tracker) for checkpoints; {} where there is none."""
+
+    def load_state_dict(self, state: dict) -> None: ...

@@ -20,3 +20,9 @@ class FP32:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         optimizer.step()
         return True
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
