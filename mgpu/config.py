@@ -73,6 +73,7 @@ class FaultConf:
     mode: str | None = None  # None | exception | sigkill | hang
     kill_rank: int = 0
     at_step: int = 0
+    every_attempt: bool = False  # fail on restarted attempts too (a rank that always fails)
 
 
 @dataclass

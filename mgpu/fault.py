@@ -14,9 +14,10 @@ log = logging.getLogger("mgpu.fault")
 
 
 def fault_step(fault: dict, rank: int) -> int | None:
-    """The step at which this rank fails, or None. Restarted attempts run clean."""
+    """The step at which this rank fails, or None. Restarted attempts run clean unless
+    `every_attempt` is set."""
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if fault["mode"] and rank == fault["kill_rank"] and first_attempt:
+    if fault["mode"] and rank == fault["kill_rank"] and (first_attempt or fault["every_attempt"]):
         return fault["at_step"]
     return None
 
