@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -57,12 +58,14 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
 
 
 def flight_recorder_env(output_dir: str) -> dict[str, str]:
-    """On a collective timeout NCCL dumps its recent collectives per rank into the logs dir
-    (`logs/nccl_trace_rank_<r>`): which rank never joined which collective. gloo ignores it."""
+    """On CUDA: on a collective timeout, NCCL's flight recorder dumps each rank's recent
+    collectives into `logs/nccl_trace_rank_<r>` (which rank never joined which collective)."""
+    if not torch.cuda.is_available():
+        return {}
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(output_dir, "logs", "nccl_trace_rank_"),
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(output_dir, "logs", "nccl_trace_rank_"),
     }
 
 
