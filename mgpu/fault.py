@@ -23,8 +23,8 @@ def fault_step(fault: dict, rank: int) -> int | None:
 
 
 def inject(mode: str, rank: int, step: int) -> None:
+    log.warning("injecting fault.mode=%s on rank %d at step %d", mode, rank, step)
     if mode == "hang":  # stop here for good, as a rank stuck outside any collective would
-        log.warning("injected hang on rank %d at step %d", rank, step)
         threading.Event().wait()
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)

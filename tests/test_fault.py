@@ -31,7 +31,7 @@ def test_hung_rank_fails_the_run_within_the_timeout_naming_rank_and_step(cli, tm
     assert line.startswith("mgpu: run failed: rank 1 hung at step 5:"), result.stderr[-2000:]
     assert f"launch.timeout_s={timeout_s}" in line
     [log] = tmp_path.glob("outputs/*/*/logs/rank1.log")
-    [hang] = [entry for entry in log.read_text().splitlines() if "injected hang" in entry]
+    [hang] = [line for line in log.read_text().splitlines() if "injecting fault.mode=hang" in line]
     hung_at = datetime.strptime(hang.split(" ", 1)[1][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     # Margin: the group's teardown and the interpreter's exit, slow on a busy 2-core machine;
     # without the timeout reaching the process group, peers would wait 300 s (the default).
