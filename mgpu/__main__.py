@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from mgpu import launch, tracking, worker
+from mgpu import checkpoint, launch, tracking, worker
 from mgpu.config import GROUPS, instantiate_settings, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
@@ -49,9 +49,12 @@ def run_job(cfg: DictConfig) -> float:
 
     uri = job["tracking"]["uri"]
     env = instantiate_settings(job["network"]).prepare_node(Path(job["output_dir"]))
-    run_id = tracking.start_job_run(job, choices, overrides) if job["tracking"]["enabled"] else None
-    if run_id:
-        tracking.log_env(uri, run_id, env, Path(job["output_dir"]) / TOPOLOGY_FILE)
+    run_id = None
+    if job["tracking"]["enabled"]:
+        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
+        run_id = resumed or tracking.start_job_run(job, choices, overrides)
+        if not resumed:
+            tracking.log_env(uri, run_id, env, Path(job["output_dir"]) / TOPOLOGY_FILE)
     try:
         with system_metrics(job, run_id):  # sampled here, off the training ranks
             results = launch.launch(job, run_id, env)

@@ -22,12 +22,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mgpu.checkpoint import check_checkpoint
 from mgpu.errors import ConfigError
 
 GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
 )
-FAULT_MODES = ("exception", "sigkill", "nonfinite_grad")
+FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad")
 
 
 @dataclass
@@ -74,20 +75,31 @@ class MonitorConf:
 
 
 @dataclass
+class CheckpointConf:
+    every_steps: int = 100  # steps between checkpoints; 0 = none
+    keep_last: int = 2  # committed checkpoints kept; older ones are deleted
+    async_save: bool = False  # write in the background while training goes on
+    dir: str = MISSING  # where checkpoints go (default: <output_dir>/checkpoints)
+
+
+@dataclass
 class FaultConf:
-    mode: str | None = None  # None | exception | sigkill | nonfinite_grad
+    mode: str | None = None  # None | exception | sigkill | hang | nonfinite_grad
     kill_rank: int = 0
     at_step: int = 0
+    every_attempt: bool = False  # fail on restarted attempts too (a rank that always fails)
 
 
 @dataclass
 class MgpuConfig:
     seed: int = 0
     output_dir: str = MISSING
+    resume: str = "auto"  # auto | none | path of a checkpoint
     train: TrainConf = field(default_factory=TrainConf)
     eval: EvalConf = field(default_factory=EvalConf)
     launch: LaunchConf = field(default_factory=LaunchConf)
     tracking: TrackingConf = field(default_factory=TrackingConf)
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     fault: FaultConf = field(default_factory=FaultConf)
     monitor: MonitorConf = field(default_factory=MonitorConf)
     strategy: Any = MISSING
@@ -293,6 +305,7 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
             obj.validate(job)
     job["output_dir"] = str(Path(job["output_dir"]).resolve())
     job["tracking"]["uri"] = resolve_tracking_uri(job["tracking"]["uri"])
+    check_checkpoint(job)
     return job
 
 

@@ -5,25 +5,36 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+log = logging.getLogger("mgpu.fault")
+
 
 def fault_step(fault: dict, rank: int) -> int | None:
-    """The step at which this rank fails, or None. Restarted attempts run clean."""
+    """The step at which this rank fails, or None. Restarted attempts run clean unless
+    `every_attempt` is set."""
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if fault["mode"] and rank == fault["kill_rank"] and first_attempt:
+    if fault["mode"] and rank == fault["kill_rank"] and (first_attempt or fault["every_attempt"]):
         return fault["at_step"]
     return None
 
 
 def inject(mode: str, rank: int, step: int, model: nn.Module | None = None) -> None:
+    log.warning("injecting fault.mode=%s on rank %d at step %d", mode, rank, step)
     if mode == "nonfinite_grad":
         poison_next_gradient(model)
         return
+    if mode == "hang":  # stop here for good, as a rank stuck outside any collective would
+        threading.Event().wait()
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault (fault.mode={mode}) on rank {rank} at step {step}")
@@ -42,3 +53,18 @@ def poison_next_gradient(model: nn.Module) -> None:
         return torch.full_like(grad, float("inf"))
 
     handle = param.register_hook(to_inf)
+
+
+@contextmanager
+def naming_step() -> Iterator[SimpleNamespace]:
+    """Errors escaping the training loop name the step they happened at (set `.step`).
+
+    A rank whose peer hangs fails with a collective timeout that says nothing about where;
+    with the step in the message the user's one-line summary says where the group stopped.
+    """
+    at = SimpleNamespace(step=0)
+    try:
+        yield at
+    except Exception as e:
+        lines = [line for line in str(e).strip().splitlines() if line.strip()] or [""]
+        raise RuntimeError(f"at step {at.step}: {type(e).__name__}: {lines[-1]}") from e

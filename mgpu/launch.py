@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -53,8 +55,20 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
         start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job["output_dir"], "logs", "elastic")),
     )
-    with environment(WORKER_ENV):
+    with environment({**WORKER_ENV, **flight_recorder_env(job["output_dir"])}):
         return elastic_launch(config, worker.main)(job, run_id, env)
+
+
+def flight_recorder_env(output_dir: str) -> dict[str, str]:
+    """On CUDA: on a collective timeout, NCCL's flight recorder dumps each rank's recent
+    collectives into `logs/nccl_trace_rank_<r>` (which rank never joined which collective)."""
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(output_dir, "logs", "nccl_trace_rank_"),
+    }
 
 
 @contextmanager
@@ -74,6 +88,8 @@ def environment(variables: dict[str, str]):
 
 # Errors a rank reports when a peer died first: consequences, not causes.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "terminated by the launcher")
+# ... or when a peer stopped answering for launch.timeout_s (gloo: "Timed out", NCCL: "timeout").
+TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
 def describe_failure(error: ChildFailedError, job: dict) -> str:
@@ -85,11 +101,22 @@ def describe_failure(error: ChildFailedError, job: dict) -> str:
     """
     reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
     reports.update(_error_reports(Path(job["output_dir"], "logs", "elastic")))
-    causes = {r: m for r, m in reports.items() if not any(p in m for p in PEER_LOST)}
+    causes = {
+        r: m for r, m in reports.items()
+        if not any(p in m for p in PEER_LOST) and not TIMED_OUT.search(m)
+    }
     if causes:
         rank = min(causes)
         return f"rank {rank} failed: {causes[rank]}"
     silent = sorted(set(range(job["launch"]["nproc_per_node"])) - set(reports))
+    timeouts = [m for m in reports.values() if TIMED_OUT.search(m)]
+    if silent and timeouts:  # the peers waited in a collective for a rank that never came
+        step = re.search(r"at step (\d+)", timeouts[0])
+        return (
+            f"rank {silent[0]} hung{f' at step {step[1]}' if step else ''}: its peers timed out "
+            f"after launch.timeout_s={job['launch']['timeout_s']} s waiting for it "
+            f"({timeouts[0]})"
+        )
     if silent:
         return (
             f"rank {silent[0]} died without an error report (killed by a signal?); "

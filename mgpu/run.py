@@ -6,7 +6,6 @@ import logging
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +22,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mgpu import fault
+from mgpu.balance import Balance
+from mgpu.checkpoint import Checkpointer
 from mgpu.compression import Compression
-from mgpu.data.loader import eval_batches, train_batches
+from mgpu.data.loader import TrainBatches, eval_batches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.precision import Precision
@@ -43,16 +44,20 @@ class Run:
     precision: Precision
     strategy: Strategy
     compression: Compression
+    balance: Balance
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    batches: Any
+    batches: TrainBatches
     val_loader: torch.utils.data.DataLoader
     tracker: MetricLogger | None
     monitor: Monitor
+    checkpointer: Checkpointer
+    start_step: int = 0  # the step of the checkpoint this run resumed from
 
     @classmethod
     def build(cls, job: dict, rt: Runtime, run_id: str | None) -> Run:
-        """Data → model → precision → strategy → compression → balance → optimizer → tracking."""
+        """Data → model → precision → strategy → compression → balance → optimizer → tracking
+        → checkpointer, then the state of the checkpoint to resume from, if any."""
         torch.manual_seed(job["seed"])  # same initial weights on every rank
         data = instantiate(job["data"])
         train_set, val_set = data.splits(job["seed"])
@@ -77,20 +82,27 @@ class Run:
         tracker = None
         if rt.is_main and run_id:
             tracker = MetricLogger(job["tracking"]["uri"], run_id)
-        return cls(
+        run = cls(
             job=job,
             rt=rt,
             model=model,
             precision=precision,
             strategy=strategy,
             compression=compression,
+            balance=balance,
             optimizer=optimizer,
             scheduler=scheduler,
-            batches=train_batches(train_set, micro_batch, rt, job["seed"]),
+            batches=TrainBatches(train_set, micro_batch, data.batch_size,
+                                 job["train"]["grad_accum"], rt, job["seed"]),
             val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
             tracker=tracker,
             monitor=monitor,
+            checkpointer=Checkpointer(job, rt, run_id),
         )
+        run.start_step = run.checkpointer.restore(run)
+        if run.start_step:
+            run.log({"checkpoint/resumed_from_step": run.start_step}, run.start_step)
+        return run
 
     def train(self) -> dict[str, float]:
         """The loop: step, record, and on schedule log metrics and evaluate. Returns the summary."""
@@ -100,9 +112,11 @@ class Run:
         meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"])
         fail_at = fault.fault_step(self.job["fault"], self.rt.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
-        with self.progress_bar() as bar:
-            task = bar.add_task("train", total=steps, loss="-", rate="-")
-            for step in range(1, steps + 1):
+        metrics: dict[str, float] = {}
+        with self.progress_bar() as bar, fault.naming_step() as at:
+            task = bar.add_task("train", total=steps, completed=self.start_step, loss="-", rate="-")
+            for step in range(self.start_step + 1, steps + 1):
+                at.step = step
                 if step == fail_at:
                     fault.inject(self.job["fault"]["mode"], self.rt.rank, step, self.model)
                 meter.record(step, self.train_step())
@@ -114,9 +128,12 @@ class Run:
                                rate=f"{rate:,.0f}")
                 if eval_every and step % eval_every == 0 and step < steps:
                     self.log(self.evaluate(), step)
+                if self.checkpointer.due(step):
+                    self.log(self.checkpointer.save(self, step), step)
+        self.checkpointer.wait()
         final_eval = self.evaluate()
         self.log(final_eval, steps)
-        return {**metrics, **final_eval, "step": steps}
+        return {**metrics, **final_eval, **self.checkpointer.summary(), "step": steps}
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the (detached) loss."""
@@ -188,6 +205,7 @@ class Run:
 
     def close(self) -> None:
         self.monitor.close()
+        self.checkpointer.close()
         if self.tracker:
             self.tracker.close()
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
@@ -97,6 +98,21 @@ def log_env(uri: str, run_id: str, env: Mapping[str, str], topology: Path | None
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
     if topology and topology.exists():
         client.log_artifact(run_id, str(topology))
+
+
+def continue_run(uri: str, run_id: str | None) -> str | None:
+    """Reopen the run a checkpoint was saved by, so a resumed job continues it (its params
+    stay as first logged); None if there is none or it is not in this store."""
+    if run_id is None:
+        return None
+    client = MlflowClient(uri)
+    try:
+        client.get_run(run_id)
+    except MlflowException:
+        log.warning("run %s of the checkpoint is not in %s: starting a new run", run_id, uri)
+        return None
+    client.update_run(run_id, status="RUNNING")
+    return run_id
 
 
 def finish_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:

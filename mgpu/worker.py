@@ -9,7 +9,7 @@ import signal
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mgpu import tracking
+from mgpu import checkpoint, tracking
 from mgpu.config import instantiate_settings
 from mgpu.monitor.system import system_metrics
 from mgpu.runtime import Runtime, init_runtime, shutdown
@@ -51,8 +51,10 @@ def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]
         if not (rt.is_main and job["tracking"]["enabled"]):
             return run_task(job, rt, None)
         uri = job["tracking"]["uri"]
-        run_id = tracking.start_job_run(job, choices, overrides)
-        tracking.log_env(uri, run_id, env)
+        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
+        run_id = resumed or tracking.start_job_run(job, choices, overrides)
+        if not resumed:
+            tracking.log_env(uri, run_id, env)
         # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:

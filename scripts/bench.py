@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ def run_mgpu(overrides: list[str], workdir: Path) -> dict:
         [sys.executable, "-m", "mgpu", *overrides, f"hydra.run.dir={out}"],
         cwd=workdir, env=env, check=True, capture_output=True, text=True,
     )
-    return json.loads((out / "summary.json").read_text())
+    return {**json.loads((out / "summary.json").read_text()), "output_dir": out}
 
 
 def run_plain_ddp(steps: int, warmup: int, nproc: int = 2) -> dict:
@@ -54,7 +55,8 @@ def bench_overhead(rounds: int, workdir: Path) -> dict:
     """
     steps, warmup = 2000, 100
     common = [f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=100",
-              "eval.every_steps=0", "optim.schedule=constant"]
+              "eval.every_steps=0", "optim.schedule=constant",
+              "checkpoint.every_steps=0"]  # the plain script saves nothing either
     samples = {"mgpu_ddp": [], "plain_ddp": [], "mgpu_single": []}
     for _ in range(rounds):
         samples["plain_ddp"].append(run_plain_ddp(steps, warmup)["samples_per_s"])
@@ -81,7 +83,7 @@ def bench_precision(rounds: int, workdir: Path) -> dict:
     """
     steps, warmup = 600, 50
     common = [f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=100",
-              "eval.every_steps=0", "strategy=ddp"]
+              "eval.every_steps=0", "strategy=ddp", "checkpoint.every_steps=0"]
     names = ("fp32", "bf16", "amp")
     rate = {name: [] for name in names}
     accuracy = {name: [] for name in names}
@@ -152,7 +154,8 @@ def bench_monitoring(rounds: int, workdir: Path) -> dict:
     """
     steps, warmup = 2000, 100
     common = [f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=100",
-              "eval.every_steps=0", "optim.schedule=constant", "strategy=ddp"]
+              "eval.every_steps=0", "optim.schedule=constant", "strategy=ddp",
+              "checkpoint.every_steps=0"]
     monitored = ["monitor.enabled=true", "monitor.profile=true",
                  "monitor.profile_start_step=10", "monitor.profile_steps=3",
                  "tracking.system_metrics=true"]
@@ -172,11 +175,57 @@ def bench_monitoring(rounds: int, workdir: Path) -> dict:
     }
 
 
+def log_time(run: dict, rank: int, text: str) -> float:
+    """When the first line containing `text` was logged in the run's `logs/rank<rank>.log`."""
+    log = (Path(run["output_dir"]) / "logs" / f"rank{rank}.log").read_text()
+    line = next(line for line in log.splitlines() if text in line)
+    stamp = line.split(" ", 1)[1][:23]  # "[rank0] 2026-01-01 12:00:00,123 INFO ..."
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def bench_checkpoint(rounds: int, workdir: Path) -> dict:
+    """Checkpoint save time (sync vs async) and restart-to-first-step, as ratios to one step.
+
+    save: how long a save holds up training (`checkpoint/save_s`, median over the run's saves)
+    over the same run's median step (`time/step_p50_s`). restart: rank 1 is killed right after
+    a checkpoint (max_restarts=1); from its kill (logged just before) to the restarted group's
+    first step (restored, logged, plus one step): detection, rendezvous, start, build, restore.
+    """
+    steps, every = 400, 50
+    common = [f"train.steps={steps}", "train.warmup_steps=20", "train.log_every=100",
+              "eval.every_steps=0", "optim.schedule=constant", f"checkpoint.every_steps={every}"]
+    kill = ["fault.mode=sigkill", "fault.kill_rank=1", f"fault.at_step={steps // 2 + 1}",
+            "launch.max_restarts=1"]
+    samples = {"save_sync_to_step": [], "save_async_to_step": [], "restart_s": [],
+               "restart_to_step": [], "step_p50_s": []}
+    for _ in range(rounds):
+        sync = run_mgpu([*common, "checkpoint.async_save=false"], workdir)
+        killed = run_mgpu([*common, "checkpoint.async_save=false", *kill], workdir)
+        restart_s = (log_time(killed, 0, "resumed from") - log_time(killed, 1, "injecting")
+                     + sync["time/step_p50_s"])
+        background = run_mgpu([*common, "checkpoint.async_save=true"], workdir)
+        step = sync["time/step_p50_s"]
+        samples["step_p50_s"].append(step)
+        samples["save_sync_to_step"].append(sync["checkpoint/save_s"] / step)
+        samples["save_async_to_step"].append(
+            background["checkpoint/save_s"] / background["time/step_p50_s"])
+        samples["restart_s"].append(restart_s)
+        samples["restart_to_step"].append(restart_s / step)
+    return {
+        **{f"{name}_median": statistics.median(values) for name, values in samples.items()},
+        "rounds": samples,
+        "setup": f"MLP 64-256-256-10 on digits, 2 gloo processes, {steps} steps, a checkpoint "
+                 f"every {every}; restart: rank 1 SIGKILLed at step {steps // 2 + 1}, "
+                 "the first step after a checkpoint",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
     "commbench": bench_commbench,
     "monitoring": bench_monitoring,
+    "checkpoint": bench_checkpoint,
 }
 
 

@@ -1,0 +1,398 @@
+"""Sharded checkpoints (torch.distributed.checkpoint): save, commit atomically, find, restore.
+
+Layout of `checkpoint.dir`:
+
+    step_00000200/              a committed checkpoint: DCP shards, `.metadata`, `mgpu.json`
+    step_00000300.partial.<id>  being written, or left by a crash while writing: never loaded
+
+Every rank writes its shards into the `.partial` folder; when all shards and DCP's metadata are
+written, rank 0 records each file's size and SHA-256 in `mgpu.json` and renames the folder to
+its final name (one atomic rename). A crash before that leaves the previous checkpoint as the
+newest valid one. On resume, each candidate's files are checked against `mgpu.json`: a corrupt
+or truncated checkpoint is reported in one log line and skipped, never loaded.
+
+Loading never executes pickled code: DCP's `.metadata` is read by an unpickler that admits
+only DCP's own metadata classes, and non-tensor values load with `torch.load(weights_only=True)`.
+
+What a checkpoint holds: model and optimizer (`get_state_dict`, so sharded strategies save
+their shards), lr scheduler, precision (grad scaler), balance, step and data position (global
+sample index: valid at any world size), and per rank, under `rank<r>`, the compression state
+and the torch/numpy/python RNG states. A rank that did not exist when the checkpoint was saved
+starts with fresh per-rank state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import statistics
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from mgpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mgpu.run import Run
+    from mgpu.runtime import Runtime
+
+log = logging.getLogger("mgpu.checkpoint")
+
+MANIFEST = "mgpu.json"
+COMMITTED = re.compile(r"^step_(\d{8})$")
+
+
+# ---- finding checkpoints (parent and rank 0) -------------------------------------------------
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def committed(root: Path) -> list[Path]:
+    """Committed checkpoint folders under `root`, newest first (not yet verified)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and COMMITTED.match(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` must not be loaded, or None if every file is intact."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"no readable {MANIFEST} ({type(e).__name__})"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, {expected['bytes']} were written"
+        if sha256(file) != expected["sha256"]:
+            return f"{name} does not match its SHA-256"
+    return None
+
+
+def newest_valid(root: Path, report: bool = True) -> Path | None:
+    """The newest intact checkpoint under `root`; each broken one is reported and skipped."""
+    for path in committed(root):
+        reason = problem(path)
+        if reason is None:
+            return path
+        if report:
+            log.warning("checkpoint %s is corrupt or truncated (%s): skipped", path, reason)
+    return None
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_checkpoint(job: dict) -> None:
+    """Checkpoint settings and `resume`, checked in the parent; paths made absolute.
+
+    `resume=<path>` is replaced by the checkpoint folder it names. A run that does not resume
+    from `checkpoint.dir` must not write into one that holds checkpoints: it would replace them.
+    """
+    cfg = job["checkpoint"]
+    if cfg["every_steps"] < 0:
+        raise ConfigError(f"checkpoint.every_steps={cfg['every_steps']}: must be >= 0 (0 = none)")
+    if cfg["keep_last"] < 1:
+        raise ConfigError(f"checkpoint.keep_last={cfg['keep_last']}: must be >= 1")
+    root = Path(cfg["dir"]).resolve()
+    cfg["dir"] = str(root)
+    resume = str(job["resume"])
+    if resume == "auto":
+        return
+    if resume != "none":
+        path = Path(resume).resolve()
+        if not COMMITTED.match(path.name):
+            path = newest_valid(path) or path
+        reason = problem(path)
+        if reason:
+            raise ConfigError(
+                f"resume={resume}: not a valid checkpoint ({reason}); give a step_* folder of a "
+                "checkpoint.dir, a checkpoint.dir, auto or none"
+            )
+        job["resume"] = str(path)
+    if committed(root) and Path(job["resume"]).parent != root:
+        raise ConfigError(
+            f"checkpoint.dir={root} holds checkpoints of an earlier run and resume={resume} "
+            "would overwrite them; use resume=auto to continue that run, or another checkpoint.dir"
+        )
+
+
+def resume_source(job: dict, report: bool = True) -> Path | None:
+    """The checkpoint a (re)started run loads: the newest valid one in `checkpoint.dir`, else
+    the one `resume=<path>` names, else none. Restarted worker groups land here too."""
+    newest = newest_valid(Path(job["checkpoint"]["dir"]), report)
+    if newest is not None:
+        return newest
+    return Path(job["resume"]) if job["resume"] not in ("auto", "none") else None
+
+
+def resumed_run_id(job: dict) -> str | None:
+    """The MLflow run of the checkpoint this job resumes from, so it continues that run."""
+    source = resume_source(job, report=False)  # rank 0 reports what it skips
+    return manifest(source).get("run_id") if source else None
+
+
+# ---- loading without executing pickled code --------------------------------------------------
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes and torch dtypes; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if is_dtype or name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: refused")
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ---- what is saved ---------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """torch, numpy and python RNG states as tensors and numbers (loadable weights-only)."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                   "gauss": py_gauss},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["gauss"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def train_state(run: Run, step: int, with_rank_state: bool = True) -> dict[str, Any]:
+    """The run's state as one (nested) state dict for DCP."""
+    model, optim = get_state_dict(run.model, run.optimizer)
+    state = {
+        "model": model,
+        "optim": optim,
+        "scheduler": run.scheduler.state_dict(),
+        "precision": run.precision.state_dict(),
+        "balance": run.balance.state_dict(),
+        "progress": {"step": step, "data": run.batches.state_dict()},
+    }
+    if with_rank_state:
+        state[f"rank{run.rt.rank}"] = {
+            "rng": rng_state(), "compression": run.compression.state_dict(),
+        }
+    return state
+
+
+def apply_train_state(run: Run, state: dict[str, Any]) -> int:
+    """Put a loaded state dict back into the run; returns the step it was saved at."""
+    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.precision.load_state_dict(state["precision"])
+    run.balance.load_state_dict(state["balance"])
+    run.batches.load_state_dict(state["progress"]["data"])
+    own = state.get(f"rank{run.rt.rank}")
+    if own is not None:
+        set_rng_state(own["rng"])
+        run.compression.load_state_dict(own["compression"])
+    return state["progress"]["step"]
+
+
+# ---- the checkpointer on each rank -----------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves on schedule (sync or async), commits on rank 0, restores at start-up."""
+
+    def __init__(self, job: dict, rt: Runtime, run_id: str | None) -> None:
+        cfg = job["checkpoint"]
+        self.job, self.rt, self.run_id = job, rt, run_id
+        self.root = Path(cfg["dir"])
+        self.every, self.keep_last, self.async_save = (
+            cfg["every_steps"], cfg["keep_last"], cfg["async_save"])
+        # DCP's own collectives run in a separate gloo group: an async save overlapping the
+        # training collectives on the default group crashes gloo.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.token = self._shared([uuid.uuid4().hex[:8]])[0]  # names this run's partial folders
+        self.pending: Future | None = None
+        self.finisher = ThreadPoolExecutor(1, thread_name_prefix="mgpu-ckpt")
+        self.blocked_s: list[float] = []  # how long each save held up training
+
+    def _shared(self, objects: list) -> list:
+        """Rank 0's `objects` on every rank."""
+        if self.group is not None:
+            dist.broadcast_object_list(objects, src=0, group=self.group)
+        return objects
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, run: Run, step: int) -> dict[str, float]:
+        """Write the run's state at `step`; committed once every rank's shards are written.
+
+        Returns the time training was held up (sync: the whole save; async: staging).
+        """
+        started = time.perf_counter()
+        self.wait()
+        partial = self.root / f"{step_dir(self.root, step).name}.partial.{self.token}"
+        state = train_state(run, step)
+        if self.async_save:
+            written = dcp.async_save(state, checkpoint_id=partial, process_group=self.group)
+            self.pending = self.finisher.submit(self._finish, written, partial, step)
+        else:
+            dcp.save(state, checkpoint_id=partial, process_group=self.group)
+            if self.rt.is_main:
+                self.commit(partial, step)
+        self.blocked_s.append(time.perf_counter() - started)
+        return {"checkpoint/save_s": self.blocked_s[-1]}
+
+    def summary(self) -> dict[str, float]:
+        """Median time a save held up training, for the run's summary."""
+        return {"checkpoint/save_s": statistics.median(self.blocked_s)} if self.blocked_s else {}
+
+    def _finish(self, written: Future, partial: Path, step: int) -> None:
+        """Background: wait for the async write (all ranks' shards), then commit on rank 0."""
+        written.result()
+        if self.rt.is_main:
+            self.commit(partial, step)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def commit(self, partial: Path, step: int) -> None:
+        """Rank 0: record every file's size and hash, then rename the folder into place."""
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+                 for p in sorted(partial.iterdir()) if p.is_file()}
+        record = {"step": step, "world_size": self.rt.world_size, "run_id": self.run_id,
+                  "files": files}
+        write_file_durably(partial / MANIFEST, json.dumps(record, indent=1))
+        final = step_dir(self.root, step)
+        if final.exists():  # a broken checkpoint that resume skipped: keep it, out of the way
+            final.rename(final.with_name(f"{final.name}.skipped.{self.token}"))
+        partial.rename(final)
+        fsync_dir(self.root)
+        log.info("checkpoint step %d committed: %s", step, final)
+        self.prune(step)
+
+    def prune(self, newest: int) -> None:
+        """Keep the newest `keep_last` checkpoints; remove partial folders older than `newest`."""
+        for old in committed(self.root)[self.keep_last:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for path in self.root.glob("step_*.partial.*"):
+            if int(path.name[5:13]) < newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def restore(self, run: Run) -> int:
+        """Load the checkpoint to resume from (rank 0 picks it); returns its step, or 0."""
+        found = resume_source(self.job) if self.rt.is_main else None
+        [source] = self._shared([str(found) if found else None])
+        if source is None:
+            return 0
+        saved_world = manifest(Path(source))["world_size"]
+        state = train_state(run, 0, with_rank_state=self.rt.rank < saved_world)
+        dcp.load(state, storage_reader=SafeReader(source), planner=WeightsOnlyLoadPlanner(),
+                 process_group=self.group)
+        step = apply_train_state(run, state)
+        log.info("resumed from %s (step %d, saved at world size %d)", source, step, saved_world)
+        return step
+
+    def close(self) -> None:
+        """Let go of the finisher thread without waiting: on a failure its save may never end
+        (a peer is gone); the normal path has waited for it already (`wait`)."""
+        self.finisher.shutdown(wait=False, cancel_futures=True)
+
+
+def write_file_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

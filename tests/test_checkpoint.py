@@ -1,0 +1,152 @@
+"""Checkpoints and resume on real gloo worker groups: exact resume, resharding, broken files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from mgpu.checkpoint import MANIFEST, SafeReader, check_checkpoint, newest_valid
+from mgpu.data.loader import TrainBatches
+from mgpu.errors import ConfigError
+from mgpu.runtime import Runtime
+from tests.conftest import QUICK, launch_job, make_job
+from tests.test_ddp import assert_weights_close
+
+# SGD, so that runs at different world sizes can be compared (see tests/test_ddp.py).
+CKPT = [*QUICK, "optim=sgd", "optim.lr=0.05", "checkpoint.every_steps=10",
+        "checkpoint.keep_last=3"]
+
+
+# ---- data position: a global sample index that reshards -------------------------------------
+
+
+def step_samples(world_size: int, steps: int, state: dict | None = None, accum: int = 1,
+                 num_samples: int = 300, global_batch: int = 64) -> tuple[list[set], dict]:
+    """The sample ids each step takes, over all ranks of `world_size`, from data `state` on."""
+    ids = torch.arange(num_samples)
+    dataset = TensorDataset(ids.float().unsqueeze(1), ids)
+    ranks = []
+    for rank in range(world_size):
+        rt = Runtime(rank, rank, world_size, world_size, torch.device("cpu"), Path("."))
+        micro = global_batch // (world_size * accum)
+        batches = TrainBatches(dataset, micro, global_batch, accum, rt, seed=7)
+        if state:
+            batches.load_state_dict(state)
+        ranks.append(batches)
+    taken = []
+    for _ in range(steps):
+        step = [i for b in ranks for _ in range(accum) for i in next(b)[1].tolist()]
+        assert len(step) == len(set(step)) == global_batch
+        taken.append(set(step))
+    assert all(b.state_dict() == ranks[0].state_dict() for b in ranks)
+    return taken, ranks[0].state_dict()
+
+
+def test_data_position_reshards_without_skipping_or_repeating_a_sample():
+    """Saved at 4 ranks, resumed at 2, then at 1: the same samples per step as one process."""
+    reference, _ = step_samples(1, 12)  # 300 samples, batch 64: 4 steps per epoch
+    for epoch in range(3):
+        seen = set().union(*reference[4 * epoch : 4 * epoch + 4])
+        assert len(seen) == 256  # each sample of the epoch's order at most once
+    first, state = step_samples(4, 6, accum=2)  # into the middle of epoch 2
+    assert state == {"epoch": 1, "position": 128}
+    second, state = step_samples(2, 4, state)  # across the epoch boundary
+    third, _ = step_samples(1, 2, state)
+    assert first + second + third == reference
+
+
+# ---- resume on real worker groups -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """30 steps at world size 2, checkpoints at 10, 20, 30 written in the background."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    summary, weights = launch_job([*CKPT, "checkpoint.async_save=true"], out)
+    return out / "checkpoints", summary, weights
+
+
+@pytest.mark.dist
+def test_killed_rank_restarts_and_ends_bitwise_equal_to_an_uninterrupted_run(
+    uninterrupted, tmp_path
+):
+    _, clean, clean_weights = uninterrupted
+    fault = ["fault.mode=sigkill", "fault.kill_rank=1", "fault.at_step=15",
+             "launch.max_restarts=1"]
+    summary, weights = launch_job([*CKPT, *fault], tmp_path)
+    assert list(tmp_path.glob("logs/elastic/*/attempt_1")), "the group was not restarted"
+    assert "resumed from" in (tmp_path / "logs" / "rank0.log").read_text()
+    for name in clean_weights:
+        assert torch.equal(weights[name], clean_weights[name]), name
+    assert summary["eval/loss"] == clean["eval/loss"]
+    assert summary["eval/accuracy"] == clean["eval/accuracy"]
+
+
+@pytest.mark.dist
+def test_resume_at_world_size_one_skips_a_truncated_checkpoint(uninterrupted, tmp_path):
+    """Saved at 2 ranks, resumed at 1 from step 20 (step 30's shard is cut short)."""
+    saved, _, clean_weights = uninterrupted
+    root = tmp_path / "checkpoints"
+    for name in ("step_00000020", "step_00000030"):
+        shutil.copytree(saved / name, root / name)
+    shard = root / "step_00000030" / "__1_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+    run = tmp_path / "run"
+    _, weights = launch_job(
+        [*CKPT, "launch.nproc_per_node=1", f"checkpoint.dir={root}"], run
+    )
+    log = (run / "logs" / "rank0.log").read_text()
+    reports = [line for line in log.splitlines() if "corrupt or truncated" in line]
+    assert len(reports) == 1 and "step_00000030" in reports[0] and "__1_0.distcp" in reports[0]
+    assert f"resumed from {root / 'step_00000020'} (step 20, saved at world size 2)" in log
+    # 10 steps at one process after 20 at two: the same weights as 30 steps at two.
+    assert_weights_close(weights, clean_weights, atol=1e-5)
+    assert list(root.glob("step_00000030.skipped.*")), "the broken checkpoint was not kept"
+
+
+@pytest.mark.dist
+def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp_path, caplog):
+    saved, _, _ = uninterrupted
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    # Killed after every shard was written, before the commit: no manifest, partial name.
+    (root / "step_00000030" / MANIFEST).unlink()
+    (root / "step_00000030").rename(root / "step_00000030.partial.dead")
+    # One flipped byte, size unchanged.
+    metadata = root / "step_00000020" / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[-1] ^= 0xFF
+    metadata.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+        assert newest_valid(root) == root / "step_00000010"
+    [report] = caplog.messages
+    assert "step_00000020" in report and ".metadata does not match its SHA-256" in report
+    job = make_job(["resume=none"], tmp_path / "a")
+    job["resume"] = str(root / "step_00000020")
+    with pytest.raises(ConfigError, match="not a valid checkpoint"):
+        check_checkpoint(job)
+
+
+def test_run_without_resume_refuses_a_checkpoint_dir_it_would_overwrite(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="resume=none would overwrite them"):
+        make_job(["resume=none"], tmp_path)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path):
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system: refused"):
+        SafeReader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "pwned").exists()

@@ -1,0 +1,68 @@
+"""Failures end-to-end through the CLI: hangs, ranks that always fail, resumed invocations."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import psutil
+import pytest
+
+from tests.conftest import QUICK, mlflow_runs
+
+pytestmark = pytest.mark.slow
+SHORT = [arg for arg in QUICK if not arg.startswith("train.steps=")]
+
+
+def leftover_processes(tmp_path) -> list:
+    return [
+        p for p in psutil.process_iter(["cmdline"])
+        if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))
+    ]
+
+
+def test_hung_rank_fails_the_run_within_the_timeout_naming_rank_and_step(cli, tmp_path):
+    timeout_s = 5
+    result = cli(*QUICK, "fault.mode=hang", "fault.kill_rank=1", "fault.at_step=5",
+                 f"launch.timeout_s={timeout_s}")
+    ended = time.time()
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()[-1:]
+    assert line.startswith("mgpu: run failed: rank 1 hung at step 5:"), result.stderr[-2000:]
+    assert f"launch.timeout_s={timeout_s}" in line
+    [log] = tmp_path.glob("outputs/*/*/logs/rank1.log")
+    [hang] = [line for line in log.read_text().splitlines() if "injecting fault.mode=hang" in line]
+    hung_at = datetime.strptime(hang.split(" ", 1)[1][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    # Margin: the group's teardown and the interpreter's exit, slow on a busy 2-core machine;
+    # without the timeout reaching the process group, peers would wait 300 s (the default).
+    assert ended - hung_at < timeout_s + 60
+    assert not leftover_processes(tmp_path)
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED" and "rank 1 hung" in run.data.tags["mgpu.error"]
+
+
+def test_rank_that_always_fails_is_restarted_exactly_max_restarts_times(cli, tmp_path):
+    result = cli(*QUICK, "fault.mode=exception", "fault.kill_rank=1", "fault.at_step=2",
+                 "fault.every_attempt=true", "launch.max_restarts=2")
+    assert result.returncode == 1
+    assert "rank 1 failed" in result.stderr and "injected fault" in result.stderr
+    attempts = {p.name for p in tmp_path.glob("outputs/*/*/logs/elastic/*/attempt_*")}
+    assert attempts == {"attempt_0", "attempt_1", "attempt_2"}
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert "rank 1 failed" in run.data.tags["mgpu.error"]
+    assert "injected fault" in run.data.tags["mgpu.error"]
+    assert not leftover_processes(tmp_path)
+
+
+def test_later_invocation_resumes_and_continues_the_same_mlflow_run(cli, tmp_path):
+    same_dir = [f"hydra.run.dir={tmp_path / 'run'}", "checkpoint.every_steps=10"]
+    first = cli(*SHORT, "train.steps=20", *same_dir)
+    assert first.returncode == 0, first.stderr
+    second = cli(*SHORT, "train.steps=30", *same_dir)
+    assert second.returncode == 0, second.stderr
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["checkpoint/resumed_from_step"] == 20
+    assert run.data.params["train.steps"] == "20"  # params stay as the run first logged them
+    assert run.info.run_id in second.stdout
