@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mgpu import fault
+from mgpu.balance import Balance
 from mgpu.compression import Compression
-from mgpu.data.loader import eval_batches, train_batches
+from mgpu.data.loader import eval_batches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
@@ -42,6 +43,7 @@ class Run:
     precision: Precision
     strategy: Strategy
     compression: Compression
+    balance: Balance
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: Any
@@ -63,8 +65,7 @@ class Run:
         compression = instantiate(job["compression"])
         compression.register(model)
         balance = instantiate(job["balance"])
-        local_batch = balance.local_batch_size(data.batch_size, rt.rank, rt.world_size)
-        micro_batch = local_batch // job["train"]["grad_accum"]
+        balance.attach(model, rt, job)
         optimizer, scheduler = instantiate(job["optim"]).build(
             model.parameters(), job["train"]["steps"]
         )
@@ -78,9 +79,10 @@ class Run:
             precision=precision,
             strategy=strategy,
             compression=compression,
+            balance=balance,
             optimizer=optimizer,
             scheduler=scheduler,
-            batches=train_batches(train_set, micro_batch, rt, job["seed"]),
+            batches=balance.batches(train_set),
             val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
             tracker=tracker,
         )
@@ -114,14 +116,18 @@ class Run:
         """One optimizer step over `grad_accum` micro-batches; returns the (detached) loss."""
         accum = self.job["train"]["grad_accum"]
         total = None
+        self.balance.before_step()
         for micro in range(accum):
             inputs, labels = next(self.batches)
             last = micro == accum - 1
             with nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.precision.autocast(self.rt.device):
                     loss = F.cross_entropy(self.model(inputs), labels)
-                self.precision.backward(loss / accum if accum > 1 else loss)
+                # Weighted by the micro-batch's share of the global batch (= accum if equal).
+                divisor = self.balance.loss_divisor(len(labels))
+                self.precision.backward(loss / divisor if divisor != 1 else loss)
             total = loss.detach() if total is None else total + loss.detach()
+        self.balance.after_backward()
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -134,6 +140,7 @@ class Run:
             "train/lr": self.scheduler.get_last_lr()[0],
             "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
             **meter.throughput(),
+            **self.balance.metrics(),
         }
         log.info(
             "step %d  loss %.4f  %s samples/s",
