@@ -1,12 +1,13 @@
 """Throughput-proportional split: faster ranks take more of the (fixed) global batch.
 
-Each rank measures the samples/s of its own work (forward + backward up to its last local
-gradient, excluding the wait for peers: see `clock.py`). After `warmup_steps` steps, and then
-every `rebalance_every` steps, the ranks all-gather these rates, smooth them (EMA), and every
-rank computes the same integer split proportional to them. A split proportional to throughput
-makes the ranks finish their work at the same moment, which is the fastest a synchronous step
-can be. The new split is applied only if some rank's share moves by more than `hysteresis` of
-the global batch, so measurement noise does not make sizes oscillate.
+Each rank measures the samples/s of its own work in the median step of a window (forward +
+backward up to its last local gradient, excluding the wait for peers: see `clock.py`). After
+`warmup_steps` steps, and then every `rebalance_every` steps, the ranks all-gather these rates,
+smooth them (EMA), and every rank computes the same integer split proportional to them. A
+split proportional to throughput makes the ranks finish their work at the same moment, the
+fastest a synchronous step can be. The new split is applied only if some rank's share moves
+by more than `hysteresis` of the global batch, so measurement noise does not make sizes
+oscillate.
 
 The update stays exact: each micro-batch's loss is weighted by its share of the global batch
 (`loss_divisor`), and the ranks' shares of a step are consecutive slices of the global batch a
@@ -16,6 +17,7 @@ single process would take (`mgpu/data/shares.py`), so the update equals the sing
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Iterator
 
 import torch
@@ -34,13 +36,15 @@ def proportional_split(speeds: list[float], total: int, minimum: int) -> list[in
 
     Ties go to the lower rank, so every rank computes the same split from the same speeds.
     """
-    spare = total - minimum * len(speeds)
     weight = sum(speeds)
-    quotas = [spare * s / weight if weight > 0 else spare / len(speeds) for s in speeds]
-    sizes = [minimum + int(q) for q in quotas]
-    by_remainder = sorted(range(len(speeds)), key=lambda r: (-(quotas[r] - int(quotas[r])), r))
-    for rank in by_remainder[: total - sum(sizes)]:
-        sizes[rank] += 1
+    quotas = [total * s / weight if weight > 0 else total / len(speeds) for s in speeds]
+    sizes = [max(minimum, int(q)) for q in quotas]
+    ranks = range(len(speeds))
+    while sum(sizes) < total:  # the ranks furthest below their quota get one more
+        sizes[min(ranks, key=lambda r: (sizes[r] - quotas[r], r))] += 1
+    while sum(sizes) > total:  # raising some to the minimum overshot: take from the furthest above
+        sizes[max((r for r in ranks if sizes[r] > minimum),
+                  key=lambda r: (sizes[r] - quotas[r], -r))] -= 1
     return sizes
 
 
@@ -55,9 +59,9 @@ class Throughput(EqualSplit):
         ema: float = 0.5,
         hysteresis: float = 0.05,
     ) -> None:
-        if warmup_steps < 2:
-            raise ConfigError(f"balance.warmup_steps={warmup_steps}: must be >= 2 (step 1 "
-                              "is not measured)")
+        if warmup_steps < 3:
+            raise ConfigError(f"balance.warmup_steps={warmup_steps}: must be >= 3 (steps 1-2 "
+                              "are not measured)")
         if rebalance_every < 1:
             raise ConfigError(f"balance.rebalance_every={rebalance_every}: must be >= 1")
         if not 0 <= ema < 1:
@@ -89,8 +93,9 @@ class Throughput(EqualSplit):
 
     def before_step(self) -> None:
         self.step += 1
-        if self.step == 2:  # step 1 (lazy initialisation, bucket set-up) is not measured
-            self.measured = self.clock.totals()
+        if self.step == 3:  # not measured: step 1 (lazy set-up) and step 2 (whose simulated
+            self.clock.totals()  # straggler delay is based on step 1)
+            self.measured_from = len(self.clock.busy_per_sample)
         done = self.step - 1
         if done >= self.warmup_steps and (done - self.warmup_steps) % self.rebalance_every == 0:
             self.rebalance()
@@ -98,11 +103,13 @@ class Throughput(EqualSplit):
 
     def rebalance(self) -> None:
         """All ranks: gather the rates of the last window, smooth them, maybe apply a new split."""
-        totals = self.clock.totals()
-        samples = totals["samples"] - self.measured["samples"]
-        busy = totals["busy_s"] - self.measured["busy_s"]
-        self.measured = totals
-        rates = gather_rows([samples / busy if busy > 0 else 0.0], self.rt)[:, 0]
+        self.clock.totals()  # resolves the last step
+        window = self.clock.busy_per_sample[self.measured_from :]
+        self.measured_from = len(self.clock.busy_per_sample)
+        # The median step, not the mean: a rank descheduled for one step (a busy neighbour, a
+        # page fault) would otherwise look slow for the whole window.
+        seconds = statistics.median(window) if window else 0.0
+        rates = gather_rows([1 / seconds if seconds > 0 else 0.0], self.rt)[:, 0]
         if self.smoothed is None:
             self.smoothed = rates
         else:
