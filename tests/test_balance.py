@@ -118,8 +118,11 @@ def test_throughput_moves_work_off_a_straggler_and_stays_exact(tmp_path):
 
 @pytest.mark.dist
 def test_ssp_zero_is_bitwise_ddp_and_ssp_two_trains(tmp_path):
-    _, none_w = launch_job(QUICK, tmp_path / "none")
-    _, ssp0_w = launch_job([*QUICK, "balance=ssp", "balance.staleness=0"], tmp_path / "ssp0")
+    # A straggler on rank 1 only: sleeps change no number, and every rank still runs the clock.
+    slow = [*QUICK, "straggler.slowdown=[1.0,1.5]"]
+    none, none_w = launch_job(slow, tmp_path / "none")
+    _, ssp0_w = launch_job([*slow, "balance=ssp", "balance.staleness=0"], tmp_path / "ssp0")
+    assert none["balance/imbalance"] > 0
     for name in none_w:
         assert torch.equal(none_w[name], ssp0_w[name]), name
     summary, _ = launch_job(["train.steps=150", "train.log_every=50", "eval.every_steps=0",

@@ -35,7 +35,9 @@ class EqualSplit:
                       for r in range(rt.world_size)]
         straggler = Straggler(**job["straggler"], rank=rt.rank, seed=job["seed"])
         self.clock = None
-        if straggler.active or self.measures:
+        # Decided from the job, not this rank's straggler: every rank must run the clock, since
+        # its metrics are collectives.
+        if job["straggler"]["slowdown"] or job["straggler"]["jitter_s"] > 0 or self.measures:
             self.clock = StepClock(straggler, rt.device)
             self.clock.attach(model)
             self.logged = self.clock.totals()
