@@ -91,6 +91,12 @@ class FaultConf:
 
 
 @dataclass
+class StragglerConf:
+    slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per rank; [] = off
+    jitter_s: float = 0.0  # mean of a random (exponential) extra delay per step and rank
+
+
+@dataclass
 class MgpuConfig:
     seed: int = 0
     output_dir: str = MISSING
@@ -102,6 +108,7 @@ class MgpuConfig:
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     fault: FaultConf = field(default_factory=FaultConf)
     monitor: MonitorConf = field(default_factory=MonitorConf)
+    straggler: StragglerConf = field(default_factory=StragglerConf)
     strategy: Any = MISSING
     precision: Any = MISSING
     compression: Any = MISSING
@@ -270,6 +277,18 @@ def check_fault(job: dict, world_size: int) -> None:
         )
 
 
+def check_straggler(job: dict, world_size: int) -> None:
+    slowdown, jitter = job["straggler"]["slowdown"], job["straggler"]["jitter_s"]
+    if slowdown and len(slowdown) != world_size:
+        raise ConfigError(
+            f"straggler.slowdown={slowdown}: give one factor per rank ({world_size}), or []"
+        )
+    if any(factor < 1 for factor in slowdown):
+        raise ConfigError(f"straggler.slowdown={slowdown}: factors must be >= 1.0 (1.0 = no delay)")
+    if jitter < 0:
+        raise ConfigError(f"straggler.jitter_s={jitter}: must be >= 0")
+
+
 def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] | None) -> dict:
     """Validate the composed config and resolve it once into the plain dict workers receive.
 
@@ -297,9 +316,11 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
         world_size = nnodes[0] * nproc
     job["launch"]["nproc_per_node"] = nproc
     job["launch"]["world_size"] = world_size
-    check_batch(job, world_size)
+    if not getattr(settings["balance"], "uneven", False):  # uneven splits check their own batch
+        check_batch(job, world_size)
     check_fault(job, world_size)
     check_monitor(job)
+    check_straggler(job, world_size)
     for obj in settings.values():
         if hasattr(obj, "validate"):
             obj.validate(job)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
 from mgpu.compression import Compression
-from mgpu.data.loader import TrainBatches, eval_batches
+from mgpu.data.loader import eval_batches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.precision import Precision
@@ -47,7 +48,7 @@ class Run:
     balance: Balance
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    batches: TrainBatches
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     val_loader: torch.utils.data.DataLoader
     tracker: MetricLogger | None
     monitor: Monitor
@@ -73,9 +74,9 @@ class Run:
         balance = instantiate(job["balance"])
         local_batch = balance.local_batch_size(data.batch_size, rt.rank, rt.world_size)
         monitor = Monitor(job, rt, run_id, data, precision, local_batch)
-        with monitor.comm_hooks(model):  # times whichever comm hook the compression installs
+        with monitor.comm_hooks(model):  # times whichever comm hook is installed here
             compression.register(model)
-        micro_batch = local_batch // job["train"]["grad_accum"]
+            balance.attach(model, rt, job)
         optimizer, scheduler = instantiate(job["optim"]).build(
             model.parameters(), job["train"]["steps"]
         )
@@ -92,8 +93,7 @@ class Run:
             balance=balance,
             optimizer=optimizer,
             scheduler=scheduler,
-            batches=TrainBatches(train_set, micro_batch, data.batch_size,
-                                 job["train"]["grad_accum"], rt, job["seed"]),
+            batches=balance.batches(train_set),
             val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
             tracker=tracker,
             monitor=monitor,
@@ -140,6 +140,7 @@ class Run:
         accum = self.job["train"]["grad_accum"]
         timer = self.monitor.timer
         total = None
+        self.balance.before_step()
         for micro in range(accum):
             with timer.phase("data"):
                 inputs, labels = next(self.batches)
@@ -148,8 +149,11 @@ class Run:
                 with timer.phase("forward"), self.precision.autocast(self.rt.device):
                     loss = F.cross_entropy(self.model(inputs), labels)
                 with timer.phase("backward"):
-                    self.precision.backward(loss / accum if accum > 1 else loss)
+                    # Weighted by the micro-batch's share of the global batch (= accum if equal).
+                    divisor = self.balance.loss_divisor(len(labels))
+                    self.precision.backward(loss / divisor if divisor != 1 else loss)
             total = loss.detach() if total is None else total + loss.detach()
+        self.balance.after_backward()
         with timer.phase("optimizer"):
             self.precision.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
@@ -164,6 +168,7 @@ class Run:
             "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
             **meter.throughput(),
             **self.precision.metrics(),
+            **self.balance.metrics(),
         }
         metrics.update(self.monitor.log_point(step, metrics))
         log.info(

@@ -220,12 +220,55 @@ def bench_checkpoint(rounds: int, workdir: Path) -> dict:
     }
 
 
+def bench_straggler(rounds: int, workdir: Path) -> dict:
+    """Simulated stragglers, side by side: how much of the lost throughput balance wins back.
+
+    - slowdown: rank 1's compute takes 2x as long; balance=none vs throughput (target >= 1.4;
+      the ideal for 2 ranks is 1.5: 3 units of work per 2 time units instead of per 2 x 1).
+    - jitter: every rank sleeps a random (exponential, mean 10 ms) time per step; balance=none
+      vs ssp with staleness 2 (target >= 1.2).
+    Final eval accuracy of every run is reported: balancing must not cost accuracy (1 point).
+    """
+    steps = ["train.steps=300", "train.warmup_steps=60", "train.log_every=100",
+             "eval.every_steps=0", "optim.schedule=constant", "checkpoint.every_steps=0"]
+    scenarios = {
+        "slowdown": (["straggler.slowdown=[1.0,2.0]", "model.hidden=[512,512]",
+                      "data.batch_size=128"],
+                     {"none": ["balance=none"],
+                      "throughput": ["balance=throughput", "balance.warmup_steps=10"]}),
+        "jitter": (["straggler.jitter_s=0.01"],
+                   {"none": ["balance=none"], "ssp": ["balance=ssp", "balance.staleness=2"]}),
+    }
+    rates = {f"{s}/{o}": [] for s, (_, options) in scenarios.items() for o in options}
+    accuracy = {name: [] for name in rates}
+    for _ in range(rounds):
+        for scenario, (common, options) in scenarios.items():
+            for option, overrides in options.items():
+                summary = run_mgpu([*steps, *common, *overrides], workdir)
+                rates[f"{scenario}/{option}"].append(summary["train/samples_per_s"])
+                accuracy[f"{scenario}/{option}"].append(summary["eval/accuracy"])
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    return {
+        "samples_per_s_median": median,
+        "samples_per_s_rounds": rates,
+        "eval_accuracy_rounds": accuracy,
+        "ratio_throughput_to_none": median["slowdown/throughput"] / median["slowdown/none"],
+        "target_ratio_throughput": 1.4,
+        "ratio_ssp_to_none": median["jitter/ssp"] / median["jitter/none"],
+        "target_ratio_ssp": 1.2,
+        "setup": "2 gloo processes, 300 steps (60 warm-up), AdamW constant lr; slowdown: MLP "
+                 "64-512-512-10, global batch 128, rank 1 slowed 2x; jitter: MLP 64-256-256-10, "
+                 "global batch 64, exponential jitter mean 10 ms per step and rank",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
     "commbench": bench_commbench,
     "monitoring": bench_monitoring,
     "checkpoint": bench_checkpoint,
+    "straggler": bench_straggler,
 }
 
 

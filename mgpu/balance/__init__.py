@@ -1,13 +1,42 @@
-"""Balance: how the fixed global batch is split across ranks."""
+"""Balance: how the fixed global batch is split across ranks, and how ranks wait for each other."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from mgpu.runtime import Runtime
 
 
 class Balance(Protocol):
+    #: True where ranks may get different shares (the batch need not divide by the world size).
+    uneven: bool
+
+    def validate(self, job: dict) -> None:
+        """Raise ConfigError for settings this option cannot run with (parent, before launch)."""
+
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
-        """Samples this rank takes from each global batch."""
+        """Samples this rank takes from each global batch at the start."""
+
+    def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
+        """Install timing hooks (and comm hooks) on the wrapped model."""
+
+    def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches, endless."""
+
+    def loss_divisor(self, micro_batch: int) -> float:
+        """Divide a micro-batch's mean loss by this so DDP's mean of gradients is exact."""
+
+    def before_step(self) -> None: ...
+
+    def after_backward(self) -> None: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Per-rank batch sizes and speeds since the last call (a collective: every rank calls)."""
 
     def state_dict(self) -> dict:
         """What the policy has learned (e.g. measured rank speeds), for checkpoints."""

@@ -1,11 +1,81 @@
-"""Equal split: every rank takes global batch / world size samples per step."""
+"""Equal split: every rank takes global batch / world size samples per step.
+
+This is also the base of the other options: it owns the step clock (timings and the simulated
+straggler, see `clock.py`), the loss weighting and the per-rank metrics. The clock only runs
+where a straggler is simulated or an option needs measurements, so the default run has no
+hooks at all.
+"""
 
 from __future__ import annotations
 
+from torch import nn
+from torch.utils.data import Dataset
+
+from mgpu.balance.clock import StepClock, gather_rows
+from mgpu.data.loader import TrainBatches
+from mgpu.runtime import Runtime
+from mgpu.straggler import Straggler
+
 
 class EqualSplit:
+    uneven = False
+    measures = False  # whether the option needs the step clock even without a straggler
+
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         return global_batch // world_size
+
+    def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
+        self.rt, self.seed = rt, job["seed"]
+        self.global_batch = job["data"]["batch_size"]
+        self.grad_accum = job["train"]["grad_accum"]
+        self.sizes = [self.local_batch_size(self.global_batch, r, rt.world_size)
+                      for r in range(rt.world_size)]
+        straggler = Straggler(**job["straggler"], rank=rt.rank, seed=job["seed"])
+        self.clock = None
+        # Decided from the job, not this rank's straggler: every rank must run the clock, since
+        # its metrics are collectives.
+        if job["straggler"]["slowdown"] or job["straggler"]["jitter_s"] > 0 or self.measures:
+            self.clock = StepClock(straggler, rt.device)
+            self.clock.attach(model)
+            self.logged = self.clock.totals()
+
+    def batches(self, dataset: Dataset) -> TrainBatches:
+        micro_batch = self.sizes[self.rt.rank] // self.grad_accum
+        return TrainBatches(
+            dataset, micro_batch, self.global_batch, self.grad_accum, self.rt, self.seed
+        )
+
+    def loss_divisor(self, micro_batch: int) -> float:
+        """global batch / (micro-batch x world size): DDP averages the ranks' gradients with
+        equal weight, so each micro-batch's mean loss is scaled by its share of the global
+        batch (times the world size). On an equal split this is exactly `grad_accum`."""
+        return self.global_batch / (micro_batch * self.rt.world_size)
+
+    def before_step(self) -> None:
+        if self.clock:
+            self.clock.start_step(self.sizes[self.rt.rank])
+
+    def after_backward(self) -> None:
+        if self.clock:
+            self.clock.end_backward()
+
+    def metrics(self) -> dict[str, float]:
+        """Batch sizes, samples/s of each rank's own work, imbalance and the wait for peers."""
+        if not self.clock:
+            return {}
+        totals = self.clock.totals()
+        steps, samples, busy, wait = (totals[k] - self.logged[k] for k in totals)
+        self.logged = totals
+        rows = gather_rows([samples, busy, wait, max(steps, 1)], self.rt)
+        samples, busy, wait, steps = rows.unbind(1)
+        busy_per_step = busy / steps
+        metrics = {f"balance/batch_rank{r}": float(size) for r, size in enumerate(self.sizes)}
+        for rank, (n, seconds) in enumerate(zip(samples.tolist(), busy.tolist(), strict=True)):
+            metrics[f"balance/samples_per_s_rank{rank}"] = n / seconds if seconds else 0.0
+        metrics["balance/imbalance"] = float(busy_per_step.max() / busy_per_step.min().clamp(
+            min=1e-9))
+        metrics["time/sync_wait_s"] = float((wait / steps).max())
+        return metrics
 
     def state_dict(self) -> dict:
         return {}

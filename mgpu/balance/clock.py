@@ -1,0 +1,120 @@
+"""Per-step timing on one rank, split into the rank's own work and its wait for the others.
+
+Under DDP a rank's gradients are all-reduced at the end of the backward pass, so a fast rank's
+wall-clock step time equals the slowest rank's: it says nothing about its own speed. The clock
+therefore stamps three moments of each step:
+
+- start: `start_step()`, before the first forward;
+- ready: the last local gradient accumulated (a post-accumulate-grad hook on every parameter)
+  — the rank's own work, forward + backward (+ any simulated straggler delay), ends here;
+- end: `end_backward()`, after the backward pass returned, i.e. after DDP waited for the peers.
+
+busy = ready - start is what the rank would take alone; wait = end - ready is time lost to
+slower peers (`time/sync_wait_s`). A simulated straggler sleeps at the start of the backward
+pass (a hook on the model's output), before any gradient is sent, so its delay is part of its
+own busy time and not of its peers' (a sleep before the forward would be, where the forward
+synchronises buffers). On CUDA the stamps are CUDA events, resolved at the start of the next
+step, which lets the host run ahead of the device by at most one step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mgpu.runtime import Runtime
+from mgpu.straggler import Straggler
+
+
+class StepClock:
+    def __init__(self, straggler: Straggler, device: torch.device) -> None:
+        self.straggler = straggler
+        self.cuda = device.type == "cuda"
+        self.compute_s = 0.0  # last step's compute (busy minus straggler delay): the delay's basis
+        self.pending: tuple | None = None  # (start, ready, end, slept, samples) of the last step
+        self.start = self.ready = None
+        self.slept, self.delayed, self.samples = 0.0, False, 0
+        # Running sums since the start; readers keep their own last copy and take differences.
+        self.sums = {"steps": 0, "samples": 0, "busy_s": 0.0, "wait_s": 0.0}
+        self.busy_per_sample: list[float] = []  # every resolved step's busy seconds / samples
+
+    def attach(self, model: nn.Module) -> None:
+        """Install the hooks: output → straggler delay; every parameter → gradient-ready stamp."""
+        inner = getattr(model, "module", model)  # DDP's forward hooks belong on the inner module
+        inner.register_forward_hook(self._on_forward)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def start_step(self, samples: int) -> None:
+        """A step over `samples` samples (this rank's share) begins."""
+        self._resolve()
+        self.start, self.slept, self.delayed, self.samples = self._stamp(), 0.0, False, samples
+
+    def end_backward(self) -> None:
+        self.pending = (self.start, self.ready, self._stamp(), self.slept, self.samples)
+        if not self.cuda:
+            self._resolve()
+
+    def totals(self) -> dict[str, float]:
+        """Steps, samples, busy seconds and wait seconds since the start, in that order."""
+        self._resolve()
+        return dict(self.sums)
+
+    def _on_forward(self, module: nn.Module, inputs: object, output: object) -> None:
+        if self.straggler.active and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if not self.delayed:  # once per step, on the first micro-batch's backward
+            self.delayed = True
+            delay = self.straggler.delay_s(self.compute_s)
+            if delay > 0:
+                time.sleep(delay)
+                self.slept += delay
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self.ready = self._stamp()
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, first, last) -> float:
+        if self.cuda:
+            last.synchronize()
+            return first.elapsed_time(last) / 1000
+        return last - first
+
+    def _resolve(self) -> None:
+        """Turn the last step's stamps into its busy and wait times."""
+        if self.pending is None:
+            return
+        start, ready, end, slept, samples = self.pending
+        self.pending = None
+        busy = self._seconds(start, ready)
+        self.compute_s = max(0.0, busy - slept)
+        self.sums["steps"] += 1
+        self.sums["samples"] += samples
+        self.sums["busy_s"] += busy
+        self.busy_per_sample.append(busy / max(samples, 1))
+        self.sums["wait_s"] += self._seconds(ready, end)
+
+
+def gather_rows(values: list[float], rt: Runtime) -> torch.Tensor:
+    """Every rank's `values` as one (world size x len(values)) float64 tensor, on every rank.
+
+    An all-reduce of a zero matrix holding this rank's row: x + 0 is exact, so all ranks see
+    bitwise the same numbers and make the same decisions from them.
+    """
+    rows = torch.zeros(rt.world_size, len(values), dtype=torch.float64, device=rt.device)
+    rows[rt.rank] = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(rows)
+    return rows.cpu()

@@ -1,0 +1,172 @@
+"""Balance: exact updates with uneven shares, throughput rebalancing, stale-synchronous DDP."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.nn.parallel import DistributedDataParallel
+
+from mgpu.balance.thermal import Thermal
+from mgpu.balance.throughput import proportional_split
+from mgpu.data.digits import Digits
+from mgpu.data.shares import ShareBatches, epoch_order
+from mgpu.errors import ConfigError
+from mgpu.launch import WORKER_ENV, environment
+from mgpu.model.mlp import MLP
+from mgpu.runtime import Runtime, init_runtime
+from tests.conftest import QUICK, launch_job, make_job
+
+SGD = [*QUICK, "optim=sgd", "optim.lr=0.05"]
+
+
+def cpu_runtime(rank: int, world_size: int, tmp_path: Path) -> Runtime:
+    return Runtime(rank, rank, world_size, world_size, torch.device("cpu"), tmp_path)
+
+
+def test_proportional_split_is_exact_and_keeps_every_rank():
+    assert proportional_split([2.0, 1.0], 64, 1) == [43, 21]
+    assert proportional_split([1.0, 1.0, 1.0], 64, 1) == [22, 21, 21]
+    assert proportional_split([1000.0, 1.0], 8, 2) == [6, 2]  # the minimum holds
+    assert sum(proportional_split([3.3, 1.7, 0.2], 101, 1)) == 101
+
+
+def test_shares_cover_the_single_process_order_with_changing_splits(tmp_path):
+    """Two ranks' slices, resized mid-epoch and across epochs, are one process's batches."""
+    data, _ = Digits().splits(0)
+    single = ShareBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0)
+    ranks = [ShareBatches(data, [32, 32], 1, cpu_runtime(r, 2, tmp_path), seed=0) for r in (0, 1)]
+    steps_per_epoch = len(epoch_order(len(data), 64, 0, 0)) // 64
+    for step in range(2 * steps_per_epoch + 3):
+        if step in (5, steps_per_epoch + 1):
+            for share in ranks:
+                share.set_sizes([48, 16] if step == 5 else [10, 54])
+        whole, _ = next(single)
+        parts = [next(share)[0] for share in ranks]
+        assert [len(p) for p in parts] == ranks[0].sizes
+        assert torch.equal(torch.cat(parts), whole), step
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+
+
+def uneven_update(output_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """On each of 2 ranks: DDP gradients of shares (48, 16), weighted and unweighted."""
+    rt = init_runtime(output_dir, 60)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(MLP(input_shape=(1, 8, 8), num_classes=10))
+    data, _ = Digits().splits(0)
+    inputs, labels = next(ShareBatches(data, [48, 16], 1, rt, seed=0))
+    grads = {}
+    for name, divisor in (("weighted", 64 / (len(labels) * 2)), ("plain", 1.0)):
+        model.zero_grad()
+        (F.cross_entropy(model(inputs), labels) / divisor).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    dist.destroy_process_group()
+    return grads
+
+
+@pytest.mark.dist
+def test_uneven_shares_give_the_single_process_update(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(input_shape=(1, 8, 8), num_classes=10)
+    data, _ = Digits().splits(0)
+    inputs, labels = next(ShareBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0))
+    F.cross_entropy(model(inputs), labels).backward()
+    single = {n: p.grad for n, p in model.named_parameters()}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="uneven",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          start_method="spawn")
+    with environment(WORKER_ENV):
+        grads = elastic_launch(config, uneven_update)(str(tmp_path))[0]
+    for name, grad in single.items():
+        torch.testing.assert_close(grads["weighted"][name], grad, atol=1e-6, rtol=1e-5)
+    # Plain DDP averaging weights the 16-sample rank like the 48-sample one: a different update.
+    assert any(not torch.allclose(grads["plain"][n], g, atol=1e-4) for n, g in single.items())
+
+
+def rebalances(output_dir: Path) -> list[tuple[int, list[int]]]:
+    """(step, new split) of every rebalancing, from rank 0's log."""
+    text = (output_dir / "logs" / "rank0.log").read_text()
+    return [(int(step), [int(x) for x in split.split(",")])
+            for step, split in re.findall(r"step (\d+): split \[[\d, ]+\] -> \[([\d, ]+)\]", text)]
+
+
+@pytest.mark.dist
+def test_throughput_moves_work_off_a_straggler_and_stays_exact(tmp_path):
+    """Rank 1 twice as slow: the split moves toward rank 0 at the first rebalancing and then
+    only further the same way (no oscillation); the weights equal one process's throughout."""
+    steps = ["train.steps=50", "model.hidden=[512,512]"]
+    _, single_w = launch_job([*SGD, *steps, "strategy=single"], tmp_path / "single")
+    summary, weights = launch_job(
+        [*SGD, *steps, "balance=throughput", "balance.warmup_steps=8", "balance.rebalance_every=10",
+         "balance.hysteresis=0.1", "straggler.slowdown=[1.0,2.0]"], tmp_path / "throughput")
+    changes = rebalances(tmp_path / "throughput")
+    assert changes and changes[0][0] == 9, changes  # right after the 8 warm-up steps
+    shares = [split[0] / 64 for _, split in changes]
+    assert shares[0] >= 0.6, changes  # toward 2:1 (43:21) from 32:32
+    assert shares == sorted(shares) and len(changes) <= 3, changes
+    assert summary["balance/batch_rank0"] + summary["balance/batch_rank1"] == 64
+    assert {"balance/imbalance", "balance/samples_per_s_rank1", "time/sync_wait_s"} <= set(summary)
+    for name, value in single_w.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.dist
+def test_ssp_zero_is_bitwise_ddp_and_ssp_two_trains(tmp_path):
+    # A straggler on rank 1 only: sleeps change no number, and every rank still runs the clock.
+    slow = [*QUICK, "straggler.slowdown=[1.0,1.5]"]
+    none, none_w = launch_job(slow, tmp_path / "none")
+    _, ssp0_w = launch_job([*slow, "balance=ssp", "balance.staleness=0"], tmp_path / "ssp0")
+    assert none["balance/imbalance"] > 0
+    for name in none_w:
+        assert torch.equal(none_w[name], ssp0_w[name]), name
+    summary, _ = launch_job(["train.steps=150", "train.log_every=50", "eval.every_steps=0",
+                             "balance=ssp", "balance.staleness=2", "straggler.jitter_s=0.002"],
+                            tmp_path / "ssp2")
+    assert summary["eval/accuracy"] >= 0.88
+    assert summary["balance/staleness_steps"] == 2
+    assert 0 <= summary["balance/ahead_steps"] <= 2
+
+
+def test_thermal_without_nvml_logs_once_and_uses_throughput(tmp_path, caplog):
+    thermal = Thermal()
+    thermal.rt = cpu_runtime(0, 1, tmp_path)
+    measured = torch.tensor([1234.0], dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="mgpu.balance.thermal"):
+        assert torch.equal(thermal.speeds(measured), measured)
+        assert torch.equal(thermal.speeds(measured), measured)
+    assert [r.message for r in caplog.records if "no NVML" in r.message] == [
+        "balance=thermal: no NVML telemetry on rank(s) [0]; splitting by measured throughput "
+        "alone"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["balance=ssp", "balance.staleness=-1"], "balance.staleness=-1: must be >= 0"),
+        (["balance=ssp", "strategy=single"], "balance=ssp needs strategy=ddp"),
+        (["straggler.slowdown=[1.0,2.0,1.0]"], "straggler.slowdown=[1.0, 2.0, 1.0]: give one"),
+        (["straggler.slowdown=[1.0,0.5]"], "factors must be >= 1.0"),
+        (["straggler.jitter_s=-1"], "straggler.jitter_s=-1.0: must be >= 0"),
+        (["balance=throughput", "data.batch_size=1"], "data.batch_size=1: too small"),
+        (["balance=throughput", "train.grad_accum=4", "data.batch_size=6"],
+         "data.batch_size=6: too small to give each of 2 ranks x train.grad_accum (4)"),
+        (["balance=thermal", "balance.warmup_steps=2"], "balance.warmup_steps=2: must be >= 3"),
+        (["balance=throughput", "balance.ema=1.5"], "balance.ema=1.5"),
+    ],
+)
+def test_bad_balance_input_is_one_config_error(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        make_job(overrides, tmp_path)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_throughput_takes_a_batch_that_does_not_divide(tmp_path):
+    job = make_job(["balance=throughput", "data.batch_size=63"], tmp_path)
+    assert job["data"]["batch_size"] == 63
