@@ -134,6 +134,7 @@ class Run:
             "train/lr": self.scheduler.get_last_lr()[0],
             "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
             **meter.throughput(),
+            **self.compression.metrics(),
         }
         log.info(
             "step %d  loss %.4f  %s samples/s",
