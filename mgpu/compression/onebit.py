@@ -43,7 +43,7 @@ def encode(compensated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def decode_mean(payloads: torch.Tensor, numel: int) -> torch.Tensor:
     """The mean over ranks (rows of `payloads`) of each rank's scale x signs."""
     signs = unpack_signs(payloads[:, :-4], numel)
-    scales = payloads[:, -4:].contiguous().view(torch.float32)  # (ranks, 1)
+    scales = payloads[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return (signs * scales).mean(dim=0)
 
 
