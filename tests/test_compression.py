@@ -17,7 +17,7 @@ from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unp
 from mgpu.errors import ConfigError
 from mgpu.run import Run
 from mgpu.runtime import init_runtime, shutdown
-from tests.conftest import make_job
+from tests.conftest import QUICK, make_job, mlflow_runs
 
 OPTIONS = ("none", "fp16", "bf16", "powersgd", "onebit")
 
@@ -223,3 +223,14 @@ def test_every_option_trains_in_step_with_measured_bytes(tmp_path, monkeypatch):
     assert onebit_bytes <= fp32 / 30 and onebit_ratio == fp32 / onebit_bytes
     powersgd_bytes, powersgd_ratio = comm["powersgd"]
     assert powersgd_bytes < fp32 / 2 and powersgd_ratio == fp32 / powersgd_bytes
+
+
+@pytest.mark.slow
+def test_compression_sweep_logs_bytes_to_mlflow(cli, tmp_path):
+    result = cli("-m", "experiment=compression_sweep", "compression=none,fp16", *QUICK)
+    assert result.returncode == 0, result.stderr
+    children = [r for r in mlflow_runs(tmp_path) if "mlflow.parentRunId" in r.data.tags]
+    metrics = {r.data.tags["compression"]: r.data.metrics for r in children}
+    assert set(metrics) == {"none", "fp16"}
+    assert metrics["fp16"]["comm/bytes_per_step"] * 2 == metrics["none"]["comm/bytes_per_step"]
+    assert metrics["fp16"]["comm/compression_ratio"] == 2.0

@@ -20,6 +20,8 @@ from mgpu.config import import_target
 from mgpu.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.6 has only the old name.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: Class attribute a strategy sets to True when the model it wraps takes a DDP comm hook.
 CARRIES_HOOK = "supports_comm_hook"
 
@@ -105,7 +107,7 @@ class CommHookCompression:
         """Every rank's `tensor`, stacked in rank order, counting this rank's bytes."""
         self.sent_bytes += tensor.nbytes
         gathered = tensor.new_empty(group.size() * tensor.numel())  # gloo wants it flat
-        work = dist.all_gather_into_tensor(gathered, tensor, group=group, async_op=True)
+        work = all_gather_single(gathered, tensor, group=group, async_op=True)
         return work.get_future().then(lambda _: gathered.view(group.size(), *tensor.shape))
 
     def allreduce_hook(self, group: dist.ProcessGroup, bucket: dist.GradBucket
