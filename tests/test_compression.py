@@ -147,12 +147,13 @@ def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict
             for step in range(1, job["train"]["steps"] + 1):
                 run.train_step()
                 if step == check_from:
+                    restores = replays_after_restore(run)
                     run.compression.metrics()  # measure bytes from here on (after warm-ups)
                 if not identical_on_all_ranks(run.model):
                     mismatched_steps.append(step)
             comm = run.compression.metrics()
             results[name] = {**comm, **run.evaluate(), "mismatched_steps": mismatched_steps,
-                             "restores": replays_after_restore(run)}
+                             "restores": restores}
     finally:
         shutdown()
     return results
@@ -166,11 +167,14 @@ def identical_on_all_ranks(model: nn.Module) -> bool:
 
 
 def replays_after_restore(run: Run) -> bool:
-    """Snapshot model, optimizer and compression; 5 steps; restore; the rerun is bitwise equal."""
+    """Snapshot model, optimizer, schedule and compression; 5 steps; restore; 5 steps again:
+    the weights move, and the rerun is bitwise equal (not if compression state were lost)."""
     batches = [next(run.batches) for _ in range(5)]
     saved = clone_tree(run.model.state_dict())
     optimizer = clone_tree(run.optimizer.state_dict())
+    scheduler = clone_tree(run.scheduler.state_dict())
     compression = clone_tree(run.compression.state_dict())
+    rng = torch.get_rng_state()  # dropout
 
     def five_steps() -> list[torch.Tensor]:
         run.batches = iter(batches)
@@ -179,10 +183,13 @@ def replays_after_restore(run: Run) -> bool:
         return [p.detach().clone() for p in run.model.parameters()]
 
     first = five_steps()
+    moved = any(not torch.equal(a, b) for a, b in zip(first, saved.values(), strict=True))
     run.model.load_state_dict(saved)
     run.optimizer.load_state_dict(optimizer)
+    run.scheduler.load_state_dict(scheduler)
     run.compression.load_state_dict(compression)
-    return all(torch.equal(a, b) for a, b in zip(first, five_steps(), strict=True))
+    torch.set_rng_state(rng)
+    return moved and all(torch.equal(a, b) for a, b in zip(first, five_steps(), strict=True))
 
 
 def clone_tree(tree):

@@ -2,7 +2,8 @@
 
 The strategy rule (checked in the parent), registration on the wrapped model, and the bytes on
 the wire: every tensor a hook hands to a collective goes through `all_reduce`/`all_gather`
-below, which count its bytes, so `comm/bytes_per_step` is measured, not derived from a formula.
+below, which count its bytes, so `comm/bytes_per_step` is measured, not derived from a formula
+(PowerSGD's collectives run inside torch: there torch's own tally of each tensor is used).
 """
 
 # No `from __future__ import annotations` here: DDP compares a hook's annotations with the
@@ -61,9 +62,10 @@ def require_comm_hook(compression: object, job: dict) -> None:
     able = [name for name, target in options("strategy").items() if carries_comm_hook(target)]
     why = "one process has nothing to communicate" if job["launch"]["world_size"] == 1 else (
         "it takes no DDP comm hook")
+    fix = " or ".join(f"strategy={s}" for s in able) or f"a strategy with {CARRIES_HOOK} = True"
     raise ConfigError(
         f"compression={own} cannot run with strategy={option_name('strategy', strategy)} ({why}); "
-        f"use {' or '.join(f'strategy={s}' for s in able)}, or compression=none"
+        f"use {fix}, or compression=none"
     )
 
 
