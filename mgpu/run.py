@@ -171,6 +171,9 @@ class Run:
             **self.balance.metrics(),
         }
         metrics.update(self.monitor.log_point(step, metrics))
+        # After the monitor's: the compression counts the bytes actually sent, which the
+        # monitor's hook wrapper (gradient bytes before compression) cannot see.
+        metrics.update(self.compression.metrics())
         log.info(
             "step %d  loss %.4f  %s samples/s",
             step, metrics["train/loss"], f"{metrics.get('train/samples_per_s', 0):,.0f}",

@@ -14,6 +14,9 @@ class Compression(Protocol):
     def register(self, model: nn.Module) -> None:
         """Install the compression on the wrapped model (a DDP comm hook, say)."""
 
+    def metrics(self) -> dict[str, float]:
+        """`comm/*` figures since the last call (bytes per step, compression ratio), or {}."""
+
     def state_dict(self) -> dict:
         """Per-rank state (error-feedback residuals, ...) for checkpoints."""
 

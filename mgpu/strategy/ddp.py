@@ -12,6 +12,7 @@ from mgpu.runtime import Runtime
 
 class DDP:
     world_size = None
+    supports_comm_hook = True  # compressions register DDP comm hooks on the wrapped model
 
     def __init__(self, find_unused_parameters: bool = False, static_graph: bool = False) -> None:
         self.find_unused_parameters = find_unused_parameters
