@@ -20,7 +20,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mgpu import fault
 from mgpu.compression import Compression
@@ -60,15 +59,16 @@ class Run:
         precision = instantiate(job["precision"])
         model = precision.prepare(model)
         strategy = instantiate(job["strategy"])
-        model = strategy.wrap(model, rt, instantiate(job["network"]))
+        model = strategy.wrap(model, rt, instantiate(job["network"]), precision)
         precision.attach(model, rt.device)
+        data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
         compression = instantiate(job["compression"])
         compression.register(model)
         balance = instantiate(job["balance"])
-        local_batch = balance.local_batch_size(data.batch_size, rt.rank, rt.world_size)
+        local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
         micro_batch = local_batch // job["train"]["grad_accum"]
-        optimizer, scheduler = instantiate(job["optim"]).build(
-            model.parameters(), job["train"]["steps"]
+        optimizer, scheduler = strategy.build_optimizer(
+            instantiate(job["optim"]), model, job["train"]["steps"]
         )
         tracker = None
         if rt.is_main and run_id:
@@ -82,8 +82,8 @@ class Run:
             compression=compression,
             optimizer=optimizer,
             scheduler=scheduler,
-            batches=train_batches(train_set, micro_batch, rt, job["seed"]),
-            val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
+            batches=train_batches(train_set, micro_batch, data_rt, job["seed"]),
+            val_loader=eval_batches(val_set, job["eval"]["batch_size"], data_rt),
             tracker=tracker,
         )
 
@@ -120,10 +120,10 @@ class Run:
             inputs, labels = next(self.batches)
             last = micro == accum - 1
             with nullcontext() if last else self.strategy.no_sync(self.model):
-                with self.precision.autocast(self.rt.device):
-                    loss = F.cross_entropy(self.model(inputs), labels)
-                self.precision.backward(loss / accum if accum > 1 else loss)
-            total = loss.detach() if total is None else total + loss.detach()
+                loss = self.strategy.forward_backward(
+                    self.model, inputs, labels, self.precision, accum
+                )
+            total = loss if total is None else total + loss
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -135,6 +135,7 @@ class Run:
             "train/loss": meter.window_loss(),
             "train/lr": self.scheduler.get_last_lr()[0],
             "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
+            **self.strategy.metrics(self.model, self.optimizer),
             **meter.throughput(),
             **self.precision.metrics(),
         }
@@ -153,7 +154,7 @@ class Run:
         for inputs, labels in self.val_loader:
             inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
             with self.precision.autocast(self.rt.device):
-                logits = self.model(inputs)
+                logits = self.strategy.predict(self.model, inputs)
             totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
             totals[1] += (logits.argmax(dim=1) == labels).sum()
             totals[2] += labels.numel()
@@ -170,8 +171,7 @@ class Run:
 
     def save_weights(self) -> None:
         """Full (unsharded) weights in `model.pt`, written by rank 0; every rank must call it."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
+        state = self.strategy.full_state_dict(self.model)
         if self.rt.is_main:
             torch.save(state, self.rt.output_dir / "model.pt")
 
