@@ -33,10 +33,14 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 
 
-def check_pipeline(
-    schedule: str, microbatches: int, pp: int, local_batch: int, grad_accum: int
-) -> None:
+def check_pipeline(job: dict, schedule: str, microbatches: int, pp: int, dp: int) -> None:
     """The rules a pipeline of `pp` ranks puts on its settings (parent, before launch)."""
+    local_batch, grad_accum = job["data"]["batch_size"] // dp, job["train"]["grad_accum"]
+    if job["precision"]["_target_"].startswith("mgpu.precision.amp."):
+        raise ConfigError(
+            "precision=amp scales the loss before backward, but pipeline schedules run the "
+            "backward themselves; use precision=bf16 or precision=fp32 with a pipeline"
+        )
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
     if microbatches < pp:

@@ -120,6 +120,7 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
          "strategy.microbatches=6: must divide the batch of 64"),
         (["strategy=pp", "model=gpt", "strategy.schedule=zb"], "strategy.schedule=zb: use one of"),
         (["strategy=pp", "model=gpt", "train.grad_accum=2"], "train.grad_accum=2: pipeline"),
+        (["strategy=pp", "model=gpt", "precision=amp"], "precision=amp scales the loss"),
         (["strategy=pp", "model=gpt", "model.layers=3", "strategy.schedule=interleaved_1f1b"],
          "strategy pp=4: more pipeline stages than model.layers=3"),
         (["strategy=hybrid", "model=gpt", "strategy.dp=2", "strategy.tp=2",

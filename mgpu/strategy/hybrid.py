@@ -69,10 +69,7 @@ class Hybrid(Strategy):
             model = require_model(job, "hybrid", "tp_plan", "a tensor-parallel plan")
         if self.pp > 1:
             model = require_model(job, "hybrid", "pipeline_stage", "pipeline split points")
-            check_pipeline(
-                self.schedule, self.microbatches, self.pp, job["data"]["batch_size"] // self.dp,
-                job["train"]["grad_accum"],
-            )
+            check_pipeline(job, self.schedule, self.microbatches, self.pp, self.dp)
         if self.tp > 1 or self.pp > 1:
             model.check_parallel(
                 job["model"], tp=self.tp, pp=self.pp * stages_per_rank(self.schedule)

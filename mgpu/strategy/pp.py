@@ -31,10 +31,7 @@ class PP(Strategy):
     def validate(self, job: dict) -> None:
         pp = job["launch"]["world_size"]
         model = require_model(job, "pp", "pipeline_stage", "pipeline split points")
-        check_pipeline(
-            self.schedule, self.microbatches, pp, job["data"]["batch_size"],
-            job["train"]["grad_accum"],
-        )
+        check_pipeline(job, self.schedule, self.microbatches, pp, dp=1)
         model.check_parallel(job["model"], tp=1, pp=pp * stages_per_rank(self.schedule))
 
     def wrap(
