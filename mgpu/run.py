@@ -20,7 +20,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mgpu import fault
 from mgpu.balance import Balance
@@ -68,17 +67,18 @@ class Run:
         precision = instantiate(job["precision"])
         model = precision.prepare(model)
         strategy = instantiate(job["strategy"])
-        model = strategy.wrap(model, rt, instantiate(job["network"]))
+        model = strategy.wrap(model, rt, instantiate(job["network"]), precision)
         precision.attach(model, rt.device)
+        data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
         compression = instantiate(job["compression"])
         balance = instantiate(job["balance"])
-        local_batch = balance.local_batch_size(data.batch_size, rt.rank, rt.world_size)
+        local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
         monitor = Monitor(job, rt, run_id, data, precision, local_batch)
         with monitor.comm_hooks(model):  # times whichever comm hook is installed here
             compression.register(model)
-            balance.attach(model, rt, job)
-        optimizer, scheduler = instantiate(job["optim"]).build(
-            model.parameters(), job["train"]["steps"]
+            balance.attach(model, data_rt, job)
+        optimizer, scheduler = strategy.build_optimizer(
+            instantiate(job["optim"]), model, job["train"]["steps"]
         )
         tracker = None
         if rt.is_main and run_id:
@@ -94,7 +94,7 @@ class Run:
             optimizer=optimizer,
             scheduler=scheduler,
             batches=balance.batches(train_set),
-            val_loader=eval_batches(val_set, job["eval"]["batch_size"], rt),
+            val_loader=eval_batches(val_set, job["eval"]["batch_size"], data_rt),
             tracker=tracker,
             monitor=monitor,
             checkpointer=Checkpointer(job, rt, run_id),
@@ -146,13 +146,12 @@ class Run:
                 inputs, labels = next(self.batches)
             last = micro == accum - 1
             with nullcontext() if last else self.strategy.no_sync(self.model):
-                with timer.phase("forward"), self.precision.autocast(self.rt.device):
-                    loss = F.cross_entropy(self.model(inputs), labels)
-                with timer.phase("backward"):
-                    # Weighted by the micro-batch's share of the global batch (= accum if equal).
-                    divisor = self.balance.loss_divisor(len(labels))
-                    self.precision.backward(loss / divisor if divisor != 1 else loss)
-            total = loss.detach() if total is None else total + loss.detach()
+                # Weighted by the micro-batch's share of the global batch (= accum if equal).
+                divisor = self.balance.loss_divisor(len(labels))
+                loss = self.strategy.forward_backward(
+                    self.model, inputs, labels, self.precision, divisor, timer
+                )
+            total = loss if total is None else total + loss
         self.balance.after_backward()
         with timer.phase("optimizer"):
             self.precision.step(self.optimizer)
@@ -166,6 +165,7 @@ class Run:
             "train/loss": meter.window_loss(),
             "train/lr": self.scheduler.get_last_lr()[0],
             "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
+            **self.strategy.metrics(self.model, self.optimizer),
             **meter.throughput(),
             **self.precision.metrics(),
             **self.balance.metrics(),
@@ -189,7 +189,7 @@ class Run:
         for inputs, labels in self.val_loader:
             inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
             with self.precision.autocast(self.rt.device):
-                logits = self.model(inputs)
+                logits = self.strategy.predict(self.model, inputs)
             totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
             totals[1] += (logits.argmax(dim=1) == labels).sum()
             totals[2] += labels.numel()
@@ -206,8 +206,7 @@ class Run:
 
     def save_weights(self) -> None:
         """Full (unsharded) weights in `model.pt`, written by rank 0; every rank must call it."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
+        state = self.strategy.full_state_dict(self.model)
         if self.rt.is_main:
             torch.save(state, self.rt.output_dir / "model.pt")
 

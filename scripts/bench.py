@@ -293,6 +293,48 @@ def bench_compression(rounds: int, workdir: Path) -> dict:
     return report
 
 
+STRATEGIES = {
+    "single": ["strategy=single"],
+    "ddp": ["strategy=ddp"],
+    "zero1": ["strategy=zero1"],
+    "fsdp": ["strategy=fsdp"],
+    "tp": ["strategy=tp"],
+    "pp_gpipe": ["strategy=pp", "strategy.schedule=gpipe"],
+    "pp_1f1b": ["strategy=pp", "strategy.schedule=1f1b"],
+    "pp_interleaved_1f1b": ["strategy=pp", "strategy.schedule=interleaved_1f1b"],
+    "hybrid_dp2_tp2": ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"],
+    "hybrid_dp2_pp2": ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"],
+}
+
+
+def bench_strategies(rounds: int, workdir: Path) -> dict:
+    """Every strategy on model=gpt: throughput, bytes per rank, pipeline bubble (measured and
+    the schedule's (p-1)/(v*m+p-1)). 2 processes, 4 for hybrid; SGD so state is one buffer."""
+    steps, warmup = 60, 10
+    common = ["model=gpt", "optim=sgd", f"train.steps={steps}", f"train.warmup_steps={warmup}",
+              "train.log_every=10", "eval.every_steps=0", "optim.schedule=constant"]
+    keep = ("train/samples_per_s", "memory/param_bytes_per_rank",
+            "memory/optimizer_bytes_per_rank", "memory/peak_bytes", "pp/bubble_fraction",
+            "pp/bubble_fraction_theory", "eval/accuracy")
+    samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
+    figures: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, overrides in STRATEGIES.items():
+            summary = run_mgpu([*common, *overrides], workdir)
+            samples[name].append(summary["train/samples_per_s"])
+            figures[name] = {key: summary[key] for key in keep if key in summary}
+    for name, values in samples.items():
+        figures[name]["train/samples_per_s"] = statistics.median(values)
+    ddp = figures["ddp"]["train/samples_per_s"]
+    return {
+        "per_strategy": figures,
+        "samples_per_s_rounds": samples,
+        "throughput_vs_ddp": {n: f["train/samples_per_s"] / ddp for n, f in figures.items()},
+        "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on digits as 64-token sequences, "
+                 f"global batch 64, {steps} steps ({warmup} warm-up), SGD, gloo",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
@@ -301,6 +343,7 @@ SECTIONS = {
     "checkpoint": bench_checkpoint,
     "straggler": bench_straggler,
     "compression": bench_compression,
+    "strategies": bench_strategies,
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.errors import ConfigError
@@ -46,8 +47,11 @@ def nonfinite_grads(optimizer: torch.optim.Optimizer, device: torch.device) -> t
     by_device_dtype: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param.grad is not None:
-                by_device_dtype[param.grad.device, param.grad.dtype].append(param.grad)
+            grad = param.grad
+            if isinstance(grad, DTensor):  # fsdp/tp shards: this rank's part (flags all-reduced)
+                grad = grad.to_local()
+            if grad is not None:
+                by_device_dtype[grad.device, grad.dtype].append(grad)
     for (grad_device, _), grads in by_device_dtype.items():
         flag = found if grad_device == found.device else torch.zeros_like(found, device=grad_device)
         torch._amp_foreach_non_finite_check_and_unscale_(

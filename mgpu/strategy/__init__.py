@@ -1,24 +1,85 @@
-"""Parallel strategies: how the model is placed on ranks and how its gradients are synchronised."""
+"""Parallel strategies: how the model is placed on ranks and how its gradients are synchronised.
+
+Options subclass `Strategy` explicitly to inherit the defaults below, which fit any strategy
+whose every rank runs the whole forward and backward pass (single, ddp, zero1, fsdp, tp);
+pipeline parallelism overrides the step, the prediction and the gathering of weights.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from mgpu.parallel import memory_metrics
 from mgpu.runtime import Runtime
 
 
 class Strategy(Protocol):
     #: Number of processes the strategy requires, or None for any.
     world_size: int | None
+    #: Whether gradients travel through DDP, so a compression's comm hook can carry them.
+    supports_comm_hook: bool
 
     def validate(self, job: dict) -> None:
         """Raise ConfigError for settings this strategy cannot run with (parent, before launch)."""
 
-    def wrap(self, model: nn.Module, rt: Runtime, network: object) -> nn.Module:
-        """Return the model placed on `rt.device` and ready for data-parallel training."""
+    def wrap(
+        self, model: nn.Module, rt: Runtime, network: object, precision: object
+    ) -> nn.Module:
+        """Return the model placed on `rt.device` and ready for parallel training."""
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Context for micro-batches whose gradients are only accumulated, not synchronised."""
+
+    def data_runtime(self, rt: Runtime) -> Runtime:
+        """`rt` as the data loaders should see it: rank and size within the data-parallel group
+        (ranks that split one model between them must read the same samples)."""
+        return rt
+
+    def build_optimizer(
+        self, optim: object, model: nn.Module, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """The optimizer over this rank's (local, possibly sharded) parameters."""
+        return optim.build(model.parameters(), total_steps)
+
+    def forward_backward(
+        self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, precision: object,
+        divisor: float, timer: object,
+    ) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; returns the detached loss.
+
+        The loss is divided by `divisor`, the micro-batch's weight in the global batch
+        (train.grad_accum on an equal split); `timer` times the phases (a no-op unless
+        monitoring is on).
+        """
+        with timer.phase("forward"), precision.autocast(inputs.device):
+            loss = F.cross_entropy(model(inputs), labels)
+        with timer.phase("backward"):
+            precision.backward(loss / divisor if divisor != 1 else loss)
+        return loss.detach()
+
+    def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits for `inputs` (evaluation, under no_grad)."""
+        return model(inputs)
+
+    def metrics(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Strategy figures at a log point: bytes of parameters and optimizer state per rank."""
+        return memory_metrics(model.parameters(), optimizer)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights on CPU, complete on rank 0; every rank must call it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+
+
+def with_rank(rt: Runtime, rank: int, world_size: int) -> Runtime:
+    return dataclasses.replace(rt, rank=rank, world_size=world_size)
+
+
+

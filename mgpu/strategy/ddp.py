@@ -7,18 +7,30 @@ from contextlib import AbstractContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mgpu.parallel import apply_checkpointing, check_checkpointing
 from mgpu.runtime import Runtime
+from mgpu.strategy import Strategy
 
 
-class DDP:
+class DDP(Strategy):
     world_size = None
     supports_comm_hook = True  # compressions register DDP comm hooks on the wrapped model
 
-    def __init__(self, find_unused_parameters: bool = False, static_graph: bool = False) -> None:
+    def __init__(
+        self,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        activation_checkpointing: str = "none",
+    ) -> None:
+        check_checkpointing(activation_checkpointing)
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
+        self.activation_checkpointing = activation_checkpointing
 
-    def wrap(self, model: nn.Module, rt: Runtime, network: object) -> nn.Module:
+    def wrap(
+        self, model: nn.Module, rt: Runtime, network: object, precision: object
+    ) -> nn.Module:
+        apply_checkpointing(model, self.activation_checkpointing)
         model = model.to(rt.device)
         return DistributedDataParallel(
             model,

@@ -7,11 +7,18 @@ from contextlib import AbstractContextManager, nullcontext
 from torch import nn
 
 from mgpu.errors import ConfigError
+from mgpu.parallel import apply_checkpointing, check_checkpointing
 from mgpu.runtime import Runtime
+from mgpu.strategy import Strategy
 
 
-class Single:
+class Single(Strategy):
     world_size = 1
+    supports_comm_hook = False
+
+    def __init__(self, activation_checkpointing: str = "none") -> None:
+        check_checkpointing(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
 
     def validate(self, job: dict) -> None:
         if job["launch"]["world_size"] != 1:
@@ -21,7 +28,10 @@ class Single:
                 f"{job['launch']['world_size']}; use launch.nproc_per_node=auto or strategy=ddp"
             )
 
-    def wrap(self, model: nn.Module, rt: Runtime, network: object) -> nn.Module:
+    def wrap(
+        self, model: nn.Module, rt: Runtime, network: object, precision: object
+    ) -> nn.Module:
+        apply_checkpointing(model, self.activation_checkpointing)
         return model.to(rt.device)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:

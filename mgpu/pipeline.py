@@ -1,0 +1,180 @@
+"""A model cut into pipeline stages over a process group, driven by a torch.distributed.pipelining
+schedule: the machinery shared by strategy=pp and the pp dimension of strategy=hybrid."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from mgpu.errors import ConfigError
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Interleaved 1F1B loops two model chunks through every rank; the others hold one."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def check_pipeline(job: dict, schedule: str, microbatches: int, pp: int, dp: int) -> None:
+    """The rules a pipeline of `pp` ranks puts on its settings (parent, before launch)."""
+    local_batch, grad_accum = job["data"]["batch_size"] // dp, job["train"]["grad_accum"]
+    if job["precision"]["_target_"].startswith("mgpu.precision.amp."):
+        raise ConfigError(
+            "precision=amp scales the loss before backward, but pipeline schedules run the "
+            "backward themselves; use precision=bf16 or precision=fp32 with a pipeline"
+        )
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
+    if microbatches < pp:
+        raise ConfigError(
+            f"strategy.microbatches={microbatches}: must be >= the {pp} pipeline stages, "
+            f"or ranks sit idle; use strategy.microbatches={pp} or more"
+        )
+    if local_batch % microbatches:
+        raise ConfigError(
+            f"strategy.microbatches={microbatches}: must divide the batch of {local_batch} each "
+            f"pipeline receives (data.batch_size / data-parallel degree)"
+        )
+    if grad_accum != 1:
+        raise ConfigError(
+            f"train.grad_accum={grad_accum}: pipeline schedules accumulate over "
+            f"strategy.microbatches already; use train.grad_accum=1"
+        )
+
+
+class Pipeline:
+    """This rank's stages of `model`, their schedule, and the figures of its bubble."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+        prepare_stage: Callable[[nn.Module], nn.Module],
+    ) -> None:
+        self.group = group
+        self.device = device
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.num_classes = model.head.out_features
+        per_rank = stages_per_rank(schedule)
+        self.num_stages = self.size * per_rank
+        # Looped placement: stage s lives on pipeline rank s % size.
+        self.stage_ids = [self.rank + k * self.size for k in range(per_rank)]
+        self.modules = nn.ModuleList(
+            prepare_stage(copy.deepcopy(model).pipeline_stage(s, self.num_stages).to(device))
+            for s in self.stage_ids
+        )
+        stages = [
+            PipelineStage(module, s, self.num_stages, device, group=group)
+            for module, s in zip(self.modules, self.stage_ids, strict=True)
+        ]
+        for stage in stages:
+            stage.forward_one_chunk = self.timed(stage.forward_one_chunk)
+            stage.backward_one_chunk = self.timed(stage.backward_one_chunk)
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(
+            stages if per_rank > 1 else stages[0], n_microbatches=microbatches,
+            loss_fn=F.cross_entropy,
+        )
+        self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
+        self.busy_s = self.step_s = 0.0
+
+    def timed(self, compute: Callable) -> Callable:
+        """`compute` (a stage's forward or backward of one micro-batch), adding to busy time."""
+
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+        return run
+
+    @property
+    def last_rank(self) -> int:
+        return dist.get_global_rank(self.group, self.size - 1)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One schedule step over all micro-batches; the mean loss, sent from the last stage."""
+        start = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.rank == 0 else ()
+        self.schedule.step(*args, target=labels, losses=losses)
+        self.step_s += time.perf_counter() - start
+        last = self.rank == self.size - 1
+        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits for a whole batch, passed stage to stage (any batch size, no micro-batches)."""
+        hidden = inputs
+        for module, s in zip(self.modules, self.stage_ids, strict=True):
+            if s > 0:
+                hidden = self.receive((s - 1) % self.size)
+            hidden = module(hidden)
+            if s < self.num_stages - 1:
+                self.send(hidden, (s + 1) % self.size)
+        if self.rank != self.size - 1:
+            hidden = torch.empty(inputs.shape[0], self.num_classes, device=self.device)
+        dist.broadcast(hidden, src=self.last_rank, group=self.group)
+        return hidden
+
+    def send(self, tensor: torch.Tensor, to: int) -> None:
+        shape = torch.tensor(tensor.shape, dtype=torch.long, device=self.device)
+        dist.send(torch.tensor([shape.numel()], device=self.device), group=self.group, group_dst=to)
+        dist.send(shape, group=self.group, group_dst=to)
+        dist.send(tensor.contiguous(), group=self.group, group_dst=to)
+
+    def receive(self, source: int) -> torch.Tensor:
+        dims = torch.empty(1, dtype=torch.long, device=self.device)
+        dist.recv(dims, group=self.group, group_src=source)
+        shape = torch.empty(int(dims), dtype=torch.long, device=self.device)
+        dist.recv(shape, group=self.group, group_src=source)
+        tensor = torch.empty(shape.tolist(), device=self.device)
+        dist.recv(tensor, group=self.group, group_src=source)
+        return tensor
+
+    def bubble_metrics(self) -> dict[str, float]:
+        """Share of step time this rank's stages were not computing, mean over all ranks."""
+        idle = torch.tensor([1 - self.busy_s / self.step_s if self.step_s else 0.0])
+        dist.all_reduce(idle)
+        self.busy_s = self.step_s = 0.0
+        return {
+            "pp/bubble_fraction": idle.item() / dist.get_world_size(),
+            "pp/bubble_fraction_theory": self.theory_bubble,
+        }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's full weights gathered over the pipeline; keys as in the whole model."""
+        options = StateDictOptions(full_state_dict=True)
+        mine = {
+            name: value.cpu()
+            for module in self.modules
+            for name, value in get_model_state_dict(module, options=options).items()
+        }
+        parts: list[dict | None] = [None] * self.size
+        dist.all_gather_object(parts, mine, group=self.group)
+        return {name: value for part in parts for name, value in part.items()}

@@ -1,0 +1,75 @@
+"""Fully sharded data parallel (FSDP2): parameters, gradients and optimizer state sharded over
+ranks, each block gathered just before it computes.
+
+`reshard_after_forward=true` frees gathered blocks after forward (ZeRO-3); false keeps them to
+backward (ZeRO-2: more memory, one all-gather less per block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from mgpu.parallel import apply_checkpointing, check_checkpointing
+from mgpu.runtime import Runtime
+from mgpu.strategy import Strategy
+
+
+class FSDP(Strategy):
+    world_size = None
+    supports_comm_hook = False
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: str = "none",
+    ) -> None:
+        check_checkpointing(activation_checkpointing)
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+
+    def wrap(
+        self, model: nn.Module, rt: Runtime, network: object, precision: object
+    ) -> nn.Module:
+        apply_checkpointing(model, self.activation_checkpointing)
+        mesh = init_device_mesh(rt.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+        return shard_model(model.to(rt.device), mesh, self, precision, rt)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return gradient_sync_off(model)
+
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, fsdp: FSDP, precision: object, rt: Runtime
+) -> nn.Module:
+    """fully_shard each block, then the root (embedding, head and the rest) over `mesh`."""
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": fsdp.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype
+        ),
+    }
+    if fsdp.cpu_offload:
+        # Pinned host memory needs CUDA; without it the default pin_memory=True fails.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+    for block in model.blocks():
+        fully_shard(block, **options)
+    return fully_shard(model, **options)
+
+
+@contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally; reduce-scatter only on the last micro-batch."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,148 @@
+"""Strategies beyond DDP on real gloo process groups, each checked against one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mgpu.config import instantiate_settings
+from mgpu.errors import ConfigError
+from mgpu.model.gpt import GPT as GPTModel
+from mgpu.parallel import apply_checkpointing
+from tests.conftest import launch_job, make_job
+from tests.test_ddp import SGD, assert_weights_close
+
+# Whichever dist test runs first also launches the single-process reference.
+pytestmark = pytest.mark.timeout(600)
+# A narrow GPT keeps each launch short; 4 heads and 4 blocks still split 2 and 4 ways.
+GPT = [*SGD, "model=gpt", "model.dim=32", "model.mlp_ratio=2"]
+# Sharded and split computations sum in a different order than one process: float32 noise.
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(*overrides) → (summary, weights) of model=gpt so trained, each run launched once."""
+    cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
+
+    def run(*overrides: str) -> tuple[dict, dict]:
+        if overrides not in cache:
+            out = tmp_path_factory.mktemp("_".join(overrides).replace("=", "-").replace(".", "-"))
+            cache[overrides] = launch_job([*GPT, *overrides], out)
+        return cache[overrides]
+
+    return run
+
+
+def assert_matches_single(launched, *overrides: str) -> dict:
+    single, single_w = launched("strategy=single")
+    summary, weights = launched(*overrides)
+    assert_weights_close(weights, single_w, atol=ATOL)
+    assert summary["train/loss"] == pytest.approx(single["train/loss"], abs=ATOL)
+    assert summary["eval/accuracy"] == single["eval/accuracy"]
+    return summary
+
+
+PARITY = [
+    ["strategy=ddp"],
+    ["strategy=zero1"],
+    # ZeRO-2 here; ZeRO-3 (the default) runs inside both hybrids. Checkpointing rides along.
+    ["strategy=fsdp", "strategy.reshard_after_forward=false",
+     "strategy.activation_checkpointing=selective"],
+    ["strategy=tp", "strategy.activation_checkpointing=full"],
+    ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"],
+    ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"],
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("overrides", PARITY, ids=[" ".join(o) for o in PARITY])
+def test_strategy_matches_single_process(launched, overrides):
+    """Same init and global batches: 2 ranks (4 for hybrid) end where one process ends."""
+    assert_matches_single(launched, *overrides)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_every_pipeline_schedule_matches_single(launched, schedule):
+    """2 ranks, 2 stages (4 for interleaved 1F1B), 4 micro-batches; the bubble is measured."""
+    pp = assert_matches_single(launched, "strategy=pp", f"strategy.schedule={schedule}")
+    assert 0 < pp["pp/bubble_fraction"] < 1
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
+    # (p-1)/(v*m+p-1): p=2 ranks, m=4 micro-batches, v chunks per rank
+    assert pp["pp/bubble_fraction_theory"] == pytest.approx(1 / (chunks * 4 + 1))
+
+
+@pytest.mark.dist
+def test_sharding_shrinks_memory_per_rank(launched):
+    """FSDP: params + optimizer ≤ 1.1 × DDP's / 2; ZeRO-1: optimizer state ≈ DDP's / 2."""
+    single, ddp, zero1, fsdp = (
+        launched(*overrides)[0]
+        for overrides in (["strategy=single"], ["strategy=ddp"], ["strategy=zero1"], PARITY[2])
+    )
+    params, optim = "memory/param_bytes_per_rank", "memory/optimizer_bytes_per_rank"
+    assert ddp[params] == single[params] > 0
+    assert ddp[optim] == single[optim] > 0  # SGD momentum
+    assert fsdp[params] + fsdp[optim] <= 1.1 * (ddp[params] + ddp[optim]) / 2
+    assert zero1[optim] == pytest.approx(ddp[optim] / 2, rel=0.1)
+    assert zero1[params] == ddp[params]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    torch.manual_seed(0)
+    model = GPTModel((1, 8, 8), 10)
+    checkpointed = copy.deepcopy(model)
+    apply_checkpointing(checkpointed, mode)
+    inputs, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    for m in (model, checkpointed):
+        torch.nn.functional.cross_entropy(m(inputs), labels).backward()
+    assert checkpointed.state_dict().keys() == model.state_dict().keys()
+    for (name, p), q in zip(model.named_parameters(), checkpointed.parameters(), strict=True):
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=tp"], "strategy=tp needs a model with a tensor-parallel plan; model MLP"),
+        (
+            ["strategy=tp", "model=gpt", "launch.nproc_per_node=3", "data.batch_size=48"],
+            "strategy tp=3: must divide model.heads=4",
+        ),
+        (["strategy=pp"], "strategy=pp needs a model with pipeline split points; model MLP"),
+        (["strategy=pp", "model=gpt", "strategy.microbatches=1"],
+         "strategy.microbatches=1: must be >= the 2 pipeline stages"),
+        (["strategy=pp", "model=gpt", "strategy.microbatches=6"],
+         "strategy.microbatches=6: must divide the batch of 64"),
+        (["strategy=pp", "model=gpt", "strategy.schedule=zb"], "strategy.schedule=zb: use one of"),
+        (["strategy=pp", "model=gpt", "train.grad_accum=2"], "train.grad_accum=2: pipeline"),
+        (["strategy=pp", "model=gpt", "precision=amp"], "precision=amp scales the loss"),
+        (["strategy=pp", "model=gpt", "model.layers=3", "strategy.schedule=interleaved_1f1b"],
+         "strategy pp=4: more pipeline stages than model.layers=3"),
+        (["strategy=hybrid", "model=gpt", "strategy.dp=2", "strategy.tp=2",
+          "launch.nproc_per_node=2"],
+         "strategy dp=2 x tp=2 x pp=1 = 4: must equal the world size 2"),
+        (["strategy=hybrid", "model=gpt", "strategy.dp=4", "strategy.dp_shard=3"],
+         "strategy.dp_shard=3: must divide strategy.dp=4"),
+        (["strategy=hybrid", "strategy.tp=2"], "strategy=hybrid needs a model with a tensor-par"),
+        (["strategy=fsdp", "strategy.activation_checkpointing=some"],
+         "strategy.activation_checkpointing=some: use one of none, full, selective"),
+    ],
+)
+def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        make_job(overrides, tmp_path)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):
+    names = ("single", "ddp", "zero1", "fsdp", "tp", "pp", "hybrid")
+    jobs = {name: make_job([f"strategy={name}", "model=gpt"], tmp_path) for name in names}
+    carries = {n: instantiate_settings(j["strategy"]).supports_comm_hook for n, j in jobs.items()}
+    assert carries == {"single": False, "ddp": True, "zero1": True, "fsdp": False, "tp": False,
+                       "pp": False, "hybrid": False}
