@@ -18,7 +18,9 @@ class ReportEnv:
 
     def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict:
         network = instantiate_settings(job["network"])
-        model = instantiate_settings(job["strategy"]).wrap(nn.Linear(4, 2), rt, network)
+        precision = instantiate_settings(job["precision"])
+        strategy = instantiate_settings(job["strategy"])
+        model = strategy.wrap(nn.Linear(4, 2), rt, network, precision)
         return {
             "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))},
             "bucket_bytes_cap": model.bucket_bytes_cap,

@@ -56,6 +56,9 @@ class HalfPrecisionWire:
 
         model.register_comm_hook(None, fp16_compress_hook)
 
+    def metrics(self) -> dict:
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 
