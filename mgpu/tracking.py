@@ -142,10 +142,15 @@ class MetricLogger:
         for key, value in metrics.items():
             self.queue.put(Metric(key, float(value), now, step))
 
-    def close(self) -> None:
-        """Write everything still queued, then stop the thread."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write everything still queued, then stop the thread.
+
+        Bounded: a tracking store that stops answering must not keep a finished rank alive.
+        """
         self.queue.put(None)
-        self.thread.join()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            log.warning("MLflow did not take the last metric points within %.0f s", timeout_s)
 
     def _drain(self) -> None:
         done = False
