@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -82,6 +83,14 @@ def init_runtime(output_dir: str, timeout_s: int) -> Runtime:
 
 
 def shutdown() -> None:
-    """Leave the process group; never a collective, so it cannot hang on a failed peer."""
+    """Leave the process group; never a collective, so it cannot hang on a failed peer.
+
+    Call it after the run (model, optimizer) is released. A DDP reducer that outlives the
+    group holds its last reference, and freeing it then joins gloo's worker threads while
+    holding the GIL, which a worker thread freeing a finished collective's tensors waits for:
+    the rank hangs for ever. Collecting first frees wrappers kept only by reference cycles
+    while the group is still registered, so the group itself is freed last, without the GIL.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -66,6 +66,7 @@ def main() -> None:
     if rank == 0:
         samples_per_s = args.batch * (args.steps - args.warmup) / elapsed
         print(json.dumps({"samples_per_s": samples_per_s, "loss": loss.item()}))
+    del model, optimizer  # a DDP reducer freed after its gloo group can deadlock on the GIL
     dist.destroy_process_group()
 
 

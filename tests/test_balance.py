@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
@@ -20,7 +19,7 @@ from mgpu.data.shares import ShareBatches, epoch_order
 from mgpu.errors import ConfigError
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.mlp import MLP
-from mgpu.runtime import Runtime, init_runtime
+from mgpu.runtime import Runtime, init_runtime, shutdown
 from tests.conftest import QUICK, launch_job, make_job
 
 SGD = [*QUICK, "optim=sgd", "optim.lr=0.05"]
@@ -66,7 +65,8 @@ def uneven_update(output_dir: str) -> dict[str, dict[str, torch.Tensor]]:
         model.zero_grad()
         (F.cross_entropy(model(inputs), labels) / divisor).backward()
         grads[name] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
-    dist.destroy_process_group()
+    del model  # before its group (see `shutdown`)
+    shutdown()
     return grads
 
 

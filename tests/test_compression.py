@@ -50,7 +50,7 @@ def one_rank_group(tmp_path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     yield
-    dist.destroy_process_group()
+    shutdown()
 
 
 class RecordingOneBit(OneBit):
@@ -139,24 +139,24 @@ def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict
     """Per rank: train each option in turn on one process group, checking after every step that
     all ranks hold identical parameters; then check that the compression's state restores."""
     rt = init_runtime(next(iter(jobs.values()))["output_dir"], 120)
-    results = {}
     try:
-        for name, job in jobs.items():
-            run = Run.build(job, rt, None)
-            mismatched_steps = []
-            for step in range(1, job["train"]["steps"] + 1):
-                run.train_step()
-                if step == check_from:
-                    restores = replays_after_restore(run)
-                    run.compression.metrics()  # measure bytes from here on (after warm-ups)
-                if not identical_on_all_ranks(run.model):
-                    mismatched_steps.append(step)
-            comm = run.compression.metrics()
-            results[name] = {**comm, **run.evaluate(), "mismatched_steps": mismatched_steps,
-                             "restores": restores}
+        return {name: train_checking_replicas(job, rt, check_from) for name, job in jobs.items()}
     finally:
-        shutdown()
-    return results
+        shutdown()  # after every run is freed (see `shutdown`)
+
+
+def train_checking_replicas(job: dict, rt, check_from: int) -> dict:
+    run = Run.build(job, rt, None)
+    mismatched_steps = []
+    for step in range(1, job["train"]["steps"] + 1):
+        run.train_step()
+        if step == check_from:
+            restores = replays_after_restore(run)
+            run.compression.metrics()  # measure bytes from here on (after warm-ups)
+        if not identical_on_all_ranks(run.model):
+            mismatched_steps.append(step)
+    comm = run.compression.metrics()
+    return {**comm, **run.evaluate(), "mismatched_steps": mismatched_steps, "restores": restores}
 
 
 def identical_on_all_ranks(model: nn.Module) -> bool:
