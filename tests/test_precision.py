@@ -217,8 +217,10 @@ def test_every_precision_runs_single_process_with_padding(precision, tmp_path):
                     "precision.pad_to_multiple_of=8"], tmp_path)
     summary = launch(job, run_id=None, env={})[0]
     assert math.isfinite(summary["train/loss"]) and summary["amp/skipped_steps"] == 0
+    # Trained with the head padded to 16 outputs, saved at the model's own 10.
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert weights["head.weight"].shape == (16, 256)  # 10 classes padded to 16
+    assert weights["head.weight"].shape == (10, 256) and weights["head.bias"].shape == (10,)
+    MLP(input_shape=(1, 8, 8), num_classes=10, hidden=[256, 256]).load_state_dict(weights)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,3 +58,25 @@ def pad_linear_layers(model: nn.Module, multiple: int) -> nn.Module:
         else:
             pad_linear_layers(child, multiple)
     return model
+
+
+# Module names that wrappers (DDP, torch.compile, activation checkpointing, FSDP1) insert into a
+# module's path but that the full state dict, which names the model's own parameters, leaves out.
+WRAPPER_NAMES = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def unpad_state_dict(
+    state: dict[str, torch.Tensor], model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """`state` (the model's full state dict) with every padded layer cut back to its real sizes,
+    so the saved weights load into the model built without padding."""
+    for path, module in model.named_modules():
+        if not isinstance(module, PaddedLinear):
+            continue
+        prefix = ".".join(part for part in path.split(".") if part not in WRAPPER_NAMES)
+        weight, bias = f"{prefix}.weight", f"{prefix}.bias"
+        if weight in state:
+            state[weight] = state[weight][: module.out_features, : module.in_features]
+        if bias in state:
+            state[bias] = state[bias][: module.out_features]
+    return state
