@@ -36,9 +36,11 @@ def launched(tmp_path_factory):
     return run
 
 
-def assert_matches_single(launched, *overrides: str) -> dict:
-    single, single_w = launched("strategy=single")
-    summary, weights = launched(*overrides)
+def assert_matches_single(launched, *overrides: str, steps: int | None = None) -> dict:
+    """`overrides` end where strategy=single ends (after `steps`, if not the QUICK count)."""
+    length = (f"train.steps={steps}",) if steps else ()
+    single, single_w = launched("strategy=single", *length)
+    summary, weights = launched(*overrides, *length)
     assert_weights_close(weights, single_w, atol=ATOL)
     assert summary["train/loss"] == pytest.approx(single["train/loss"], abs=ATOL)
     assert summary["eval/accuracy"] == single["eval/accuracy"]
@@ -52,8 +54,11 @@ PARITY = [
     ["strategy=fsdp", "strategy.reshard_after_forward=false",
      "strategy.activation_checkpointing=selective"],
     ["strategy=tp", "strategy.activation_checkpointing=full"],
+    ["strategy=tp", "strategy.sequence_parallel=true"],
     ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"],
     ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"],
+    # HSDP: each parameter sharded over 2 ranks, those pairs replicated twice.
+    ["strategy=hybrid", "strategy.dp=4", "strategy.dp_shard=2"],
 ]
 
 
@@ -62,6 +67,16 @@ PARITY = [
 def test_strategy_matches_single_process(launched, overrides):
     """Same init and global batches: 2 ranks (4 for hybrid) end where one process ends."""
     assert_matches_single(launched, *overrides)
+
+
+@pytest.mark.dist
+def test_dp_tp_pp_at_once_matches_single(launched):
+    """8 processes, 2 along each of dp, tp and pp; sequence parallelism rides along and meets
+    the stage boundary. 10 steps: 8 processes on 2 cores take ~0.7 s a step."""
+    assert_matches_single(
+        launched, "strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.pp=2",
+        "strategy.sequence_parallel=true", steps=10,
+    )
 
 
 @pytest.mark.dist
