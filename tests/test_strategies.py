@@ -47,6 +47,8 @@ def assert_matches_single(launched, *overrides: str, steps: int | None = None) -
     return summary
 
 
+# HSDP: each parameter sharded over 2 ranks, those pairs replicated twice.
+HSDP = ["strategy=hybrid", "strategy.dp=4", "strategy.dp_shard=2"]
 PARITY = [
     ["strategy=ddp"],
     ["strategy=zero1"],
@@ -57,8 +59,7 @@ PARITY = [
     ["strategy=tp", "strategy.sequence_parallel=true"],
     ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"],
     ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"],
-    # HSDP: each parameter sharded over 2 ranks, those pairs replicated twice.
-    ["strategy=hybrid", "strategy.dp=4", "strategy.dp_shard=2"],
+    HSDP,
 ]
 
 
@@ -92,10 +93,12 @@ def test_every_pipeline_schedule_matches_single(launched, schedule):
 
 @pytest.mark.dist
 def test_sharding_shrinks_memory_per_rank(launched):
-    """FSDP: params + optimizer ≤ 1.1 × DDP's / 2; ZeRO-1: optimizer state ≈ DDP's / 2."""
-    single, ddp, zero1, fsdp = (
+    """FSDP: params + optimizer ≤ 1.1 × DDP's / 2; ZeRO-1: optimizer state ≈ DDP's / 2;
+    HSDP on 4 ranks sharding over 2: half of DDP's, not a quarter."""
+    single, ddp, zero1, fsdp, hsdp = (
         launched(*overrides)[0]
-        for overrides in (["strategy=single"], ["strategy=ddp"], ["strategy=zero1"], PARITY[2])
+        for overrides in (["strategy=single"], ["strategy=ddp"], ["strategy=zero1"], PARITY[2],
+                          HSDP)
     )
     params, optim = "memory/param_bytes_per_rank", "memory/optimizer_bytes_per_rank"
     assert ddp[params] == single[params] > 0
@@ -103,6 +106,8 @@ def test_sharding_shrinks_memory_per_rank(launched):
     assert fsdp[params] + fsdp[optim] <= 1.1 * (ddp[params] + ddp[optim]) / 2
     assert zero1[optim] == pytest.approx(ddp[optim] / 2, rel=0.1)
     assert zero1[params] == ddp[params]
+    assert hsdp[params] == pytest.approx(ddp[params] / 2, rel=0.1)
+    assert hsdp[optim] == pytest.approx(ddp[optim] / 2, rel=0.1)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -146,6 +151,10 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
         (["strategy=hybrid", "strategy.tp=2"], "strategy=hybrid needs a model with a tensor-par"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"],
          "strategy.activation_checkpointing=some: use one of none, full, selective"),
+        (["strategy=fsdp", "model=gpt", "compression=powersgd"],
+         "compression=powersgd cannot run with strategy=fsdp (it takes no DDP comm hook)"),
+        (["strategy=hybrid", "model=gpt", "strategy.dp=2", "compression=fp16"],
+         "compression=fp16 cannot run with strategy=hybrid (it takes no DDP comm hook)"),
     ],
 )
 def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path):
@@ -153,6 +162,13 @@ def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path
         make_job(overrides, tmp_path)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_sequence_parallel_needs_tp_to_divide_the_sequence():
+    """Raised as the worker builds the plan: only the built data knows the sequence length."""
+    GPTModel((1, 8, 8), 10).tp_sequence_bounds(4)
+    with pytest.raises(ConfigError, match="tp=2 must divide the sequence length 25"):
+        GPTModel((1, 5, 5), 10).tp_sequence_bounds(2)
 
 
 def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):

@@ -88,9 +88,9 @@ class GPT(nn.Module):
         super().__init__()
         self.check_sizes(dim, heads, layers)
         self.vocab = vocab
-        seq_len = math.prod(input_shape)
+        self.seq_len = math.prod(input_shape)
         self.tok_emb = nn.Embedding(vocab, dim)
-        self.pos_emb = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
+        self.pos_emb = nn.Parameter(torch.randn(self.seq_len, dim) * 0.02)
         # A dict keyed "0".."N-1", not a list: pipeline stages delete the blocks they don't own
         # and the rest keep their names, so every stage's state_dict keys match the whole model.
         self.layers = nn.ModuleDict({str(i): Block(dim, heads, mlp_ratio) for i in range(layers)})
@@ -162,11 +162,19 @@ class GPT(nn.Module):
             "mlp.fc2": RowwiseParallel(output_layouts=SEQ),
         }
 
-    @staticmethod
-    def tp_sequence_bounds() -> tuple[ParallelStyle, ParallelStyle]:
+    def tp_sequence_bounds(self, tp: int) -> tuple[ParallelStyle, ParallelStyle]:
         """For the first and the last of a run of sequence-parallel blocks: the replicated
         stream enters as this rank's sequence shard (a slice, no communication) and leaves
-        gathered whole again for the embedding, head or next pipeline stage."""
+        gathered whole again for the embedding, head or next pipeline stage.
+
+        Checked here, in the worker: the sequence length comes from the data's input shape,
+        which only the built data knows. Uneven shards would be mis-sized by the plan."""
+        if self.seq_len % tp:
+            raise ConfigError(
+                f"strategy.sequence_parallel=true: tp={tp} must divide the sequence length "
+                f"{self.seq_len} (the data's input size); use sequence_parallel=false or "
+                f"another tp degree"
+            )
         return (
             PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(SEQ,), use_local_output=True

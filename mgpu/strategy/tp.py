@@ -54,7 +54,7 @@ def split_blocks(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) ->
     for block in blocks:
         parallelize_module(block, mesh, model.tp_plan(sequence_parallel))
     if sequence_parallel:
-        enter, leave = model.tp_sequence_bounds()
+        enter, leave = model.tp_sequence_bounds(mesh.size())
         parallelize_module(blocks[0], mesh, enter)
         parallelize_module(blocks[-1], mesh, leave)
     return model
