@@ -299,6 +299,7 @@ STRATEGIES = {
     "zero1": ["strategy=zero1"],
     "fsdp": ["strategy=fsdp"],
     "tp": ["strategy=tp"],
+    "tp_sequence_parallel": ["strategy=tp", "strategy.sequence_parallel=true"],
     "pp_gpipe": ["strategy=pp", "strategy.schedule=gpipe"],
     "pp_1f1b": ["strategy=pp", "strategy.schedule=1f1b"],
     "pp_interleaved_1f1b": ["strategy=pp", "strategy.schedule=interleaved_1f1b"],

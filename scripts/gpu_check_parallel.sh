@@ -31,6 +31,7 @@ check fsdp_zero2_offload strategy=fsdp strategy.reshard_after_forward=false stra
 check fsdp_checkpointing strategy=fsdp strategy.activation_checkpointing=selective
 if (( HEADS_OK )); then
   check tp strategy=tp
+  check tp_sequence_parallel strategy=tp strategy.sequence_parallel=true
 fi
 if (( GPUS >= 4 )); then
   check hybrid_dp_tp strategy=hybrid strategy.dp=$(( GPUS / 2 )) strategy.tp=2

@@ -36,15 +36,19 @@ def launched(tmp_path_factory):
     return run
 
 
-def assert_matches_single(launched, *overrides: str) -> dict:
-    single, single_w = launched("strategy=single")
-    summary, weights = launched(*overrides)
+def assert_matches_single(launched, *overrides: str, steps: int | None = None) -> dict:
+    """`overrides` end where strategy=single ends (after `steps`, if not the QUICK count)."""
+    length = (f"train.steps={steps}",) if steps else ()
+    single, single_w = launched("strategy=single", *length)
+    summary, weights = launched(*overrides, *length)
     assert_weights_close(weights, single_w, atol=ATOL)
     assert summary["train/loss"] == pytest.approx(single["train/loss"], abs=ATOL)
     assert summary["eval/accuracy"] == single["eval/accuracy"]
     return summary
 
 
+# HSDP: each parameter sharded over 2 ranks, those pairs replicated twice.
+HSDP = ["strategy=hybrid", "strategy.dp=4", "strategy.dp_shard=2"]
 PARITY = [
     ["strategy=ddp"],
     ["strategy=zero1"],
@@ -52,8 +56,10 @@ PARITY = [
     ["strategy=fsdp", "strategy.reshard_after_forward=false",
      "strategy.activation_checkpointing=selective"],
     ["strategy=tp", "strategy.activation_checkpointing=full"],
+    ["strategy=tp", "strategy.sequence_parallel=true"],
     ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"],
     ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"],
+    HSDP,
 ]
 
 
@@ -62,6 +68,16 @@ PARITY = [
 def test_strategy_matches_single_process(launched, overrides):
     """Same init and global batches: 2 ranks (4 for hybrid) end where one process ends."""
     assert_matches_single(launched, *overrides)
+
+
+@pytest.mark.dist
+def test_dp_tp_pp_at_once_matches_single(launched):
+    """8 processes, 2 along each of dp, tp and pp; sequence parallelism rides along and meets
+    the stage boundary. 10 steps: 8 processes on 2 cores take ~0.7 s a step."""
+    assert_matches_single(
+        launched, "strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.pp=2",
+        "strategy.sequence_parallel=true", steps=10,
+    )
 
 
 @pytest.mark.dist
@@ -77,10 +93,12 @@ def test_every_pipeline_schedule_matches_single(launched, schedule):
 
 @pytest.mark.dist
 def test_sharding_shrinks_memory_per_rank(launched):
-    """FSDP: params + optimizer ≤ 1.1 × DDP's / 2; ZeRO-1: optimizer state ≈ DDP's / 2."""
-    single, ddp, zero1, fsdp = (
+    """FSDP: params + optimizer ≤ 1.1 × DDP's / 2; ZeRO-1: optimizer state ≈ DDP's / 2;
+    HSDP on 4 ranks sharding over 2: half of DDP's, not a quarter."""
+    single, ddp, zero1, fsdp, hsdp = (
         launched(*overrides)[0]
-        for overrides in (["strategy=single"], ["strategy=ddp"], ["strategy=zero1"], PARITY[2])
+        for overrides in (["strategy=single"], ["strategy=ddp"], ["strategy=zero1"], PARITY[2],
+                          HSDP)
     )
     params, optim = "memory/param_bytes_per_rank", "memory/optimizer_bytes_per_rank"
     assert ddp[params] == single[params] > 0
@@ -88,6 +106,8 @@ def test_sharding_shrinks_memory_per_rank(launched):
     assert fsdp[params] + fsdp[optim] <= 1.1 * (ddp[params] + ddp[optim]) / 2
     assert zero1[optim] == pytest.approx(ddp[optim] / 2, rel=0.1)
     assert zero1[params] == ddp[params]
+    assert hsdp[params] == pytest.approx(ddp[params] / 2, rel=0.1)
+    assert hsdp[optim] == pytest.approx(ddp[optim] / 2, rel=0.1)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -131,6 +151,10 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
         (["strategy=hybrid", "strategy.tp=2"], "strategy=hybrid needs a model with a tensor-par"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"],
          "strategy.activation_checkpointing=some: use one of none, full, selective"),
+        (["strategy=fsdp", "model=gpt", "compression=powersgd"],
+         "compression=powersgd cannot run with strategy=fsdp (it takes no DDP comm hook)"),
+        (["strategy=hybrid", "model=gpt", "strategy.dp=2", "compression=fp16"],
+         "compression=fp16 cannot run with strategy=hybrid (it takes no DDP comm hook)"),
     ],
 )
 def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path):
@@ -138,6 +162,13 @@ def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path
         make_job(overrides, tmp_path)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_sequence_parallel_needs_tp_to_divide_the_sequence():
+    """Raised as the worker builds the plan: only the built data knows the sequence length."""
+    GPTModel((1, 8, 8), 10).tp_sequence_bounds(4)
+    with pytest.raises(ConfigError, match="tp=2 must divide the sequence length 25"):
+        GPTModel((1, 5, 5), 10).tp_sequence_bounds(2)
 
 
 def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):

@@ -6,7 +6,8 @@ MLP and CNN. Causal self-attention blocks, a final norm, mean-pooling and a clas
 
 The model states what the parallel strategies need: its blocks (FSDP units, activation
 checkpointing), its tensor-parallel plan (Megatron's split: column-wise q/k/v and first MLP
-layer, row-wise output projections) and where it can be cut into pipeline stages.
+layer, row-wise output projections; optionally with sequence parallelism, which also splits the
+norms and the residual stream along the sequence) and where it can be cut into pipeline stages.
 """
 
 from __future__ import annotations
@@ -16,9 +17,20 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from mgpu.errors import ConfigError
+
+# Activations are (batch, sequence, dim): sequence parallelism shards dim 1.
+SEQ = Shard(1)
 
 
 class Attention(nn.Module):
@@ -76,9 +88,9 @@ class GPT(nn.Module):
         super().__init__()
         self.check_sizes(dim, heads, layers)
         self.vocab = vocab
-        seq_len = math.prod(input_shape)
+        self.seq_len = math.prod(input_shape)
         self.tok_emb = nn.Embedding(vocab, dim)
-        self.pos_emb = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
+        self.pos_emb = nn.Parameter(torch.randn(self.seq_len, dim) * 0.02)
         # A dict keyed "0".."N-1", not a list: pipeline stages delete the blocks they don't own
         # and the rest keep their names, so every stage's state_dict keys match the whole model.
         self.layers = nn.ModuleDict({str(i): Block(dim, heads, mlp_ratio) for i in range(layers)})
@@ -117,17 +129,58 @@ class GPT(nn.Module):
         return list(self.layers.values())
 
     @staticmethod
-    def tp_plan() -> dict[str, ParallelStyle]:
+    def tp_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Per-block tensor-parallel plan: heads split across ranks in attention, columns then
-        rows in the MLP, so each block needs one all-reduce forward and one backward."""
+        rows in the MLP, so each block needs one all-reduce forward and one backward.
+
+        With `sequence_parallel` (Megatron-SP, as torchtitan plans it) the residual stream and
+        the norms between those regions stay split along the sequence: each all-reduce becomes
+        an all-gather before attention or the MLP and a reduce-scatter after it — the same
+        traffic, but activations and norm work per rank shrink by the tp degree. The blocks
+        then take and return sequence shards; `tp_sequence_bounds` converts at the ends.
+        """
+        if not sequence_parallel:
+            return {
+                "attn.q": ColwiseParallel(),
+                "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(),
+                "mlp.fc2": RowwiseParallel(),
+            }
+        gather = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
         return {
+            "norm1": SequenceParallel(),
+            "attn": gather,
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=SEQ),
+            "norm2": SequenceParallel(),
+            "mlp": gather,
             "mlp.fc1": ColwiseParallel(),
-            "mlp.fc2": RowwiseParallel(),
+            "mlp.fc2": RowwiseParallel(output_layouts=SEQ),
         }
+
+    def tp_sequence_bounds(self, tp: int) -> tuple[ParallelStyle, ParallelStyle]:
+        """For the first and the last of a run of sequence-parallel blocks: the replicated
+        stream enters as this rank's sequence shard (a slice, no communication) and leaves
+        gathered whole again for the embedding, head or next pipeline stage.
+
+        Checked here, in the worker: the sequence length comes from the data's input shape,
+        which only the built data knows. Uneven shards would be mis-sized by the plan."""
+        if self.seq_len % tp:
+            raise ConfigError(
+                f"strategy.sequence_parallel=true: tp={tp} must divide the sequence length "
+                f"{self.seq_len} (the data's input size); use sequence_parallel=false or "
+                f"another tp degree"
+            )
+        return (
+            PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(SEQ,), use_local_output=True
+            ),
+            PrepareModuleOutput(output_layouts=(SEQ,), desired_output_layouts=(Replicate(),)),
+        )
 
     def pipeline_stage(self, stage: int, stages: int) -> GPT:
         """This model cut down in place to pipeline stage `stage` of `stages`: an even share of

@@ -34,6 +34,7 @@ class Hybrid(Strategy):
         tp: int = 1,
         pp: int = 1,
         dp_shard: int | None = None,
+        sequence_parallel: bool = False,
         reshard_after_forward: bool = True,
         schedule: str = "1f1b",
         microbatches: int = 4,
@@ -49,6 +50,7 @@ class Hybrid(Strategy):
             )
         check_checkpointing(activation_checkpointing)
         self.dp, self.tp, self.pp, self.dp_shard = dp, tp, pp, dp_shard
+        self.sequence_parallel = sequence_parallel
         self.world_size = dp * tp * pp  # launch.nproc_per_node=auto starts this many
         self.fsdp = FSDP(reshard_after_forward, cpu_offload=False)
         self.schedule, self.microbatches = schedule, microbatches
@@ -86,7 +88,7 @@ class Hybrid(Strategy):
 
         def prepare(part: nn.Module) -> nn.Module:
             if self.tp > 1:
-                split_blocks(part, self.mesh["tp"])
+                split_blocks(part, self.mesh["tp"], self.sequence_parallel)
             apply_checkpointing(part, self.activation_checkpointing)
             dp_mesh = self.mesh["dp_replicate", "dp_shard"]
             return shard_model(part, dp_mesh, self.fsdp, precision, rt)

@@ -19,8 +19,11 @@ class TP(Strategy):
     world_size = None
     supports_comm_hook = False
 
-    def __init__(self, activation_checkpointing: str = "none") -> None:
+    def __init__(
+        self, sequence_parallel: bool = False, activation_checkpointing: str = "none"
+    ) -> None:
         check_checkpointing(activation_checkpointing)
+        self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
 
     def validate(self, job: dict) -> None:
@@ -31,7 +34,7 @@ class TP(Strategy):
         self, model: nn.Module, rt: Runtime, network: object, precision: object
     ) -> nn.Module:
         mesh = init_device_mesh(rt.device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-        model = split_blocks(model.to(rt.device), mesh)
+        model = split_blocks(model.to(rt.device), mesh, self.sequence_parallel)
         apply_checkpointing(model, self.activation_checkpointing)
         return model
 
@@ -42,8 +45,16 @@ class TP(Strategy):
         return nullcontext()
 
 
-def split_blocks(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Apply the model's tensor-parallel plan to each of its blocks over the 1-D `mesh`."""
-    for block in model.blocks():
-        parallelize_module(block, mesh, model.tp_plan())
+def split_blocks(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
+    """Apply the model's tensor-parallel plan to each of its blocks over the 1-D `mesh`.
+
+    With sequence parallelism the stream stays split along the sequence from the first block
+    to the last (of this pipeline stage, under pp), so only those two convert it."""
+    blocks = model.blocks()
+    for block in blocks:
+        parallelize_module(block, mesh, model.tp_plan(sequence_parallel))
+    if sequence_parallel:
+        enter, leave = model.tp_sequence_bounds(mesh.size())
+        parallelize_module(blocks[0], mesh, enter)
+        parallelize_module(blocks[-1], mesh, leave)
     return model
