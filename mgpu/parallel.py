@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from mgpu.config import import_target
+from mgpu.config import import_target, instantiate_settings
 from mgpu.errors import ConfigError
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -58,6 +58,11 @@ def memory_metrics(
 
 def model_class(job: dict) -> type:
     return import_target(job["model"]["_target_"])
+
+
+def data_input_shape(job: dict) -> tuple[int, ...]:
+    """One sample's shape, from the data settings alone (nothing is loaded), for parent checks."""
+    return tuple(instantiate_settings(job["data"]).input_shape)
 
 
 def require_model(job: dict, strategy: str, attribute: str, what: str) -> type:

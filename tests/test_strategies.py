@@ -164,11 +164,16 @@ def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path
     assert "\n" not in str(error.value)
 
 
-def test_sequence_parallel_needs_tp_to_divide_the_sequence():
-    """Raised as the worker builds the plan: only the built data knows the sequence length."""
-    GPTModel((1, 8, 8), 10).tp_sequence_bounds(4)
-    with pytest.raises(ConfigError, match="tp=2 must divide the sequence length 25"):
-        GPTModel((1, 5, 5), 10).tp_sequence_bounds(2)
+def test_sequence_parallel_needs_tp_to_divide_the_sequence(tmp_path):
+    make_job(["strategy=tp", "strategy.sequence_parallel=true", "model=gpt",
+              "launch.nproc_per_node=4"], tmp_path)  # digits: 64 tokens
+    with pytest.raises(ConfigError) as error:
+        make_job(["strategy=tp", "strategy.sequence_parallel=true", "model=gpt",
+                  "data=synthetic", "data.image_size=5"], tmp_path)
+    assert str(error.value) == (
+        "strategy.sequence_parallel=true: tp=2 must divide the sequence length 25 (the data's "
+        "input size); use sequence_parallel=false or another tp degree"
+    )
 
 
 def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):

@@ -88,9 +88,9 @@ class GPT(nn.Module):
         super().__init__()
         self.check_sizes(dim, heads, layers)
         self.vocab = vocab
-        self.seq_len = math.prod(input_shape)
+        seq_len = math.prod(input_shape)
         self.tok_emb = nn.Embedding(vocab, dim)
-        self.pos_emb = nn.Parameter(torch.randn(self.seq_len, dim) * 0.02)
+        self.pos_emb = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
         # A dict keyed "0".."N-1", not a list: pipeline stages delete the blocks they don't own
         # and the rest keep their names, so every stage's state_dict keys match the whole model.
         self.layers = nn.ModuleDict({str(i): Block(dim, heads, mlp_ratio) for i in range(layers)})
@@ -105,14 +105,25 @@ class GPT(nn.Module):
             raise ConfigError(f"model.layers={layers}: must be >= 1")
 
     @classmethod
-    def check_parallel(cls, settings: dict, tp: int, pp: int) -> None:
-        """ConfigError where `tp` ranks cannot split the heads or `pp` stages the blocks."""
+    def check_parallel(
+        cls, settings: dict, tp: int, pp: int, sequence_parallel: bool = False,
+        input_shape: tuple[int, ...] = (),
+    ) -> None:
+        """ConfigError where `tp` ranks cannot split the heads (or, with sequence parallelism,
+        the sequence of `input_shape`'s tokens) or `pp` stages the blocks."""
         heads = settings.get("heads", 4)
         hidden = settings.get("dim", 64) * settings.get("mlp_ratio", 4)
         if heads % tp or hidden % tp:
             raise ConfigError(
                 f"strategy tp={tp}: must divide model.heads={heads} and the MLP hidden size "
                 f"{hidden}; pick a tp degree that divides both"
+            )
+        tokens = math.prod(input_shape)
+        if sequence_parallel and tokens % tp:
+            raise ConfigError(
+                f"strategy.sequence_parallel=true: tp={tp} must divide the sequence length "
+                f"{tokens} (the data's input size); use sequence_parallel=false or another "
+                f"tp degree"
             )
         layers = settings.get("layers", 4)
         if pp > layers:
@@ -162,19 +173,11 @@ class GPT(nn.Module):
             "mlp.fc2": RowwiseParallel(output_layouts=SEQ),
         }
 
-    def tp_sequence_bounds(self, tp: int) -> tuple[ParallelStyle, ParallelStyle]:
+    @staticmethod
+    def tp_sequence_bounds() -> tuple[ParallelStyle, ParallelStyle]:
         """For the first and the last of a run of sequence-parallel blocks: the replicated
         stream enters as this rank's sequence shard (a slice, no communication) and leaves
-        gathered whole again for the embedding, head or next pipeline stage.
-
-        Checked here, in the worker: the sequence length comes from the data's input shape,
-        which only the built data knows. Uneven shards would be mis-sized by the plan."""
-        if self.seq_len % tp:
-            raise ConfigError(
-                f"strategy.sequence_parallel=true: tp={tp} must divide the sequence length "
-                f"{self.seq_len} (the data's input size); use sequence_parallel=false or "
-                f"another tp degree"
-            )
+        gathered whole again for the embedding, head or next pipeline stage."""
         return (
             PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(SEQ,), use_local_output=True

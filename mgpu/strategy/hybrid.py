@@ -16,7 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mgpu.errors import ConfigError
-from mgpu.parallel import apply_checkpointing, check_checkpointing, memory_metrics, require_model
+from mgpu.parallel import (
+    apply_checkpointing,
+    check_checkpointing,
+    data_input_shape,
+    memory_metrics,
+    require_model,
+)
 from mgpu.pipeline import Pipeline, check_pipeline, stages_per_rank
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
@@ -74,7 +80,8 @@ class Hybrid(Strategy):
             check_pipeline(job, self.schedule, self.microbatches, self.pp, self.dp)
         if self.tp > 1 or self.pp > 1:
             model.check_parallel(
-                job["model"], tp=self.tp, pp=self.pp * stages_per_rank(self.schedule)
+                job["model"], tp=self.tp, pp=self.pp * stages_per_rank(self.schedule),
+                sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
             )
 
     def wrap(

@@ -10,7 +10,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from mgpu.parallel import apply_checkpointing, check_checkpointing, require_model
+from mgpu.parallel import (
+    apply_checkpointing,
+    check_checkpointing,
+    data_input_shape,
+    require_model,
+)
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
 
@@ -28,7 +33,10 @@ class TP(Strategy):
 
     def validate(self, job: dict) -> None:
         model = require_model(job, "tp", "tp_plan", "a tensor-parallel plan")
-        model.check_parallel(job["model"], tp=job["launch"]["world_size"], pp=1)
+        model.check_parallel(
+            job["model"], tp=job["launch"]["world_size"], pp=1,
+            sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
+        )
 
     def wrap(
         self, model: nn.Module, rt: Runtime, network: object, precision: object
@@ -54,7 +62,7 @@ def split_blocks(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) ->
     for block in blocks:
         parallelize_module(block, mesh, model.tp_plan(sequence_parallel))
     if sequence_parallel:
-        enter, leave = model.tp_sequence_bounds(mesh.size())
+        enter, leave = model.tp_sequence_bounds()
         parallelize_module(blocks[0], mesh, enter)
         parallelize_module(blocks[-1], mesh, leave)
     return model
