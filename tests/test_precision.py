@@ -16,6 +16,7 @@ from mgpu.launch import launch
 from mgpu.model.cnn import CNN
 from mgpu.model.mlp import MLP
 from mgpu.precision.amp import AMP
+from mgpu.precision.fp32 import FP32
 from mgpu.precision.padding import PaddedLinear, pad_linear_layers
 from mgpu.run import Run
 from mgpu.runtime import init_runtime, shutdown
@@ -102,6 +103,30 @@ def test_scaler_state_round_trips_through_state_dict():
     assert second.state_dict() == first.state_dict()
     assert second.scaler.get_growth_interval() == 2
     assert second.metrics()["amp/loss_scale"] == 512.0
+
+
+@pytest.mark.parametrize("make_precision", [FP32, AMP], ids=["fp32", "amp"])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_nonfinite_loss_skips_the_step_even_where_its_gradients_are_finite(make_precision, bad):
+    # The constant adds nothing to the gradients: only the loss is not finite. Under DDP the
+    # skip must come from the gradients (the one thing the ranks share), so they must say it.
+    model = torch.nn.Linear(4, 2)
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = make_precision()
+    precision.attach(model, torch.device("cpu"))
+    precision.backward(model(torch.randn(3, 4)).sum() + bad)
+    assert all(p.grad.isnan().any() for p in model.parameters())
+    assert precision.step(optimizer) is False
+    assert precision.metrics()["amp/skipped_steps"] == 1
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    # A finite loss afterwards trains as usual: backward starts from exactly 1.
+    optimizer.zero_grad()
+    inputs = torch.randn(3, 4)
+    precision.backward(model(inputs).sum())
+    assert precision.step(optimizer) is True
+    expected = inputs.sum(0).expand(2, 4)
+    torch.testing.assert_close(model.weight, before["weight"] - 0.1 * expected, rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------

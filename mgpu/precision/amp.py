@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from mgpu.errors import ConfigError
-from mgpu.precision.common import PrecisionBase, poison_if_nonfinite
+from mgpu.precision.common import PrecisionBase, loss_seed
 
 
 class AMP(PrecisionBase):
@@ -67,7 +67,8 @@ class AMP(PrecisionBase):
         return torch.autocast(device.type, dtype=torch.float16)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(poison_if_nonfinite(loss)).backward()
+        scaled = self.scaler.scale(loss)
+        scaled.backward(loss_seed(scaled))
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         self.scaler.step(optimizer)  # unscales, and skips the step on inf/NaN gradients

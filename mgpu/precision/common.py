@@ -3,8 +3,8 @@
 A step whose loss or gradients are not finite is skipped, not applied: one bad batch must not
 turn the weights into NaN. The decision has to be the same on every rank, or data-parallel
 replicas drift apart. Two things make it so without an extra collective under DDP:
-- a non-finite loss is turned into NaN gradients (`poison_if_nonfinite`) before backward, so
-  every non-finite value is in the gradients before they are synchronised;
+- backward starts from a gradient of 1 for a finite loss and NaN for a non-finite one
+  (`loss_seed`), so every non-finite value is in the gradients before they are synchronised;
 - DDP's all-reduce then carries any inf/NaN to every rank, and each rank's check of its
   (identical) gradients gives the same answer.
 Where ranks hold different gradients after backward (a wrapper other than DDP on several ranks:
@@ -33,9 +33,12 @@ class NonFiniteSteps(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-def poison_if_nonfinite(loss: torch.Tensor) -> torch.Tensor:
-    """`loss` unchanged if finite, else NaN with NaN gradients (no host sync: a device select)."""
-    return loss * torch.where(torch.isfinite(loss), 1.0, float("nan"))
+def loss_seed(loss: torch.Tensor) -> torch.Tensor:
+    """The gradient backward starts from: 1 for a finite loss, NaN for inf/NaN (x * 0 is NaN
+    exactly when x is not finite). Two element-wise ops and no host sync: cheaper than
+    isfinite + where in the graph, which cost a measurable share of a small model's step."""
+    finite = loss.detach()
+    return (finite - finite).exp_()
 
 
 def nonfinite_grads(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
@@ -97,7 +100,7 @@ class PrecisionBase:
         self.sync_flag = several_ranks and not isinstance(model, DistributedDataParallel)
 
     def backward(self, loss: torch.Tensor) -> None:
-        poison_if_nonfinite(loss).backward()
+        loss.backward(loss_seed(loss))
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         found = nonfinite_grads(optimizer, self.device)
