@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mgpu.balance.thermal import Thermal
 from mgpu.balance.throughput import proportional_split
 from mgpu.data.digits import Digits
-from mgpu.data.shares import ShareBatches, epoch_order
+from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.mlp import MLP
@@ -39,18 +39,33 @@ def test_proportional_split_is_exact_and_keeps_every_rank():
 def test_shares_cover_the_single_process_order_with_changing_splits(tmp_path):
     """Two ranks' slices, resized mid-epoch and across epochs, are one process's batches."""
     data, _ = Digits().splits(0)
-    single = ShareBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0)
-    ranks = [ShareBatches(data, [32, 32], 1, cpu_runtime(r, 2, tmp_path), seed=0) for r in (0, 1)]
-    steps_per_epoch = len(epoch_order(len(data), 64, 0, 0)) // 64
+    single = TrainBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0)
+    ranks = [TrainBatches(data, [32, 32], 1, cpu_runtime(r, 2, tmp_path), seed=0) for r in (0, 1)]
+    steps_per_epoch = len(data) // 64
+    sizes = [32, 32]
     for step in range(2 * steps_per_epoch + 3):
         if step in (5, steps_per_epoch + 1):
+            sizes = [48, 16] if step == 5 else [10, 54]
             for share in ranks:
-                share.set_sizes([48, 16] if step == 5 else [10, 54])
+                share.set_sizes(sizes)
         whole, _ = next(single)
         parts = [next(share)[0] for share in ranks]
-        assert [len(p) for p in parts] == ranks[0].sizes
+        assert [len(p) for p in parts] == sizes
         assert torch.equal(torch.cat(parts), whole), step
     assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+
+
+def test_a_share_comes_as_grad_accum_micro_batches_of_the_global_batch(tmp_path):
+    """Shares (27, 37) with 3 micro-batches each: near-equal micro-batches, together one
+    process's 64-sample batch; the position is the same on every rank, in global terms."""
+    data, _ = Digits().splits(0)
+    single = TrainBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0)
+    ranks = [TrainBatches(data, [27, 37], 3, cpu_runtime(r, 2, tmp_path), seed=0) for r in (0, 1)]
+    for _ in range(2):
+        micro = [[next(share)[1] for _ in range(3)] for share in ranks]
+        assert [[len(m) for m in rank] for rank in micro] == [[9, 9, 9], [13, 12, 12]]
+        assert torch.equal(torch.cat([m for rank in micro for m in rank]), next(single)[1])
+    assert ranks[0].state_dict() == ranks[1].state_dict() == {"epoch": 0, "position": 128}
 
 
 def uneven_update(output_dir: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -59,7 +74,7 @@ def uneven_update(output_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = DistributedDataParallel(MLP(input_shape=(1, 8, 8), num_classes=10))
     data, _ = Digits().splits(0)
-    inputs, labels = next(ShareBatches(data, [48, 16], 1, rt, seed=0))
+    inputs, labels = next(TrainBatches(data, [48, 16], 1, rt, seed=0))
     grads = {}
     for name, divisor in (("weighted", 64 / (len(labels) * 2)), ("plain", 1.0)):
         model.zero_grad()
@@ -75,7 +90,7 @@ def test_uneven_shares_give_the_single_process_update(tmp_path):
     torch.manual_seed(0)
     model = MLP(input_shape=(1, 8, 8), num_classes=10)
     data, _ = Digits().splits(0)
-    inputs, labels = next(ShareBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0))
+    inputs, labels = next(TrainBatches(data, [64], 1, cpu_runtime(0, 1, tmp_path), seed=0))
     F.cross_entropy(model(inputs), labels).backward()
     single = {n: p.grad for n, p in model.named_parameters()}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="uneven",

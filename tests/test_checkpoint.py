@@ -35,8 +35,8 @@ def step_samples(world_size: int, steps: int, state: dict | None = None, accum: 
     ranks = []
     for rank in range(world_size):
         rt = Runtime(rank, rank, world_size, world_size, torch.device("cpu"), Path("."))
-        micro = global_batch // (world_size * accum)
-        batches = TrainBatches(dataset, micro, global_batch, accum, rt, seed=7)
+        sizes = [global_batch // world_size] * world_size
+        batches = TrainBatches(dataset, sizes, accum, rt, seed=7)
         if state:
             batches.load_state_dict(state)
         ranks.append(batches)

@@ -73,8 +73,10 @@ class StepClock:
             self.delayed = True
             delay = self.straggler.delay_s(self.compute_s)
             if delay > 0:
+                # What it actually slept: time.sleep oversleeps, and the excess is no compute.
+                started = time.perf_counter()
                 time.sleep(delay)
-                self.slept += delay
+                self.slept += time.perf_counter() - started
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self.ready = self._stamp()

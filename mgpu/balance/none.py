@@ -40,10 +40,8 @@ class EqualSplit:
             self.logged = self.clock.totals()
 
     def batches(self, dataset: Dataset) -> TrainBatches:
-        micro_batch = self.sizes[self.rt.rank] // self.grad_accum
-        return TrainBatches(
-            dataset, micro_batch, self.global_batch, self.grad_accum, self.rt, self.seed
-        )
+        self.loader = TrainBatches(dataset, self.sizes, self.grad_accum, self.rt, self.seed)
+        return self.loader
 
     def loss_divisor(self, micro_batch: int) -> float:
         """global batch / (micro-batch x world size): DDP averages the ranks' gradients with

@@ -11,21 +11,18 @@ oscillate.
 
 The update stays exact: each micro-batch's loss is weighted by its share of the global batch
 (`loss_divisor`), and the ranks' shares of a step are consecutive slices of the global batch a
-single process would take (`mgpu/data/shares.py`), so the update equals the single-process one.
+single process would take (`mgpu/data/sampler.py`), so the update equals the single-process one.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Iterator
 
 import torch
-from torch.utils.data import Dataset
 
 from mgpu.balance.clock import gather_rows
 from mgpu.balance.none import EqualSplit
-from mgpu.data.shares import ShareBatches
 from mgpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -87,10 +84,6 @@ class Throughput(EqualSplit):
         """As equal as the global batch allows: the first (batch mod world size) ranks get +1."""
         return global_batch // world_size + (rank < global_batch % world_size)
 
-    def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.shares = ShareBatches(dataset, self.sizes, self.grad_accum, self.rt, self.seed)
-        return self.shares
-
     def before_step(self) -> None:
         self.step += 1
         if self.step == 3:  # not measured: step 1 (lazy set-up) and step 2 (whose simulated
@@ -121,7 +114,7 @@ class Throughput(EqualSplit):
             log.info("step %d: split %s -> %s (samples/s per rank %s)", self.step, self.sizes,
                      sizes, [round(r) for r in self.smoothed.tolist()])
             self.sizes = sizes
-            self.shares.set_sizes(sizes)
+            self.loader.set_sizes(sizes)
             self.rebalances += 1
 
     def speeds(self, measured: torch.Tensor) -> torch.Tensor:

@@ -10,45 +10,45 @@ from mgpu.runtime import Runtime
 
 
 class TrainBatches:
-    """Endless (inputs, labels) micro-batches on `rt.device`, reshuffled every epoch.
+    """Endless (inputs, labels) micro-batches of this rank's share, on `rt.device`.
 
-    The ranks' micro-batches of one step together are the same samples a single process would
-    take as its batch: the basis of DDP's parity with one process. `state_dict` is the data
-    position in global terms (epoch, samples of the epoch consumed), valid at any world size.
+    `sizes` is every rank's share of the global batch (summing to it, each >= `grad_accum`);
+    each step's share comes as `grad_accum` micro-batches of near-equal size. The ranks' shares
+    of one step together are the global batch a single process would take: the basis of
+    parity with one process, even when `set_sizes` changes the split between steps. `state_dict`
+    is the data position in global terms (epoch, samples of the epoch consumed), valid at any
+    world size and any split.
     """
 
-    def __init__(self, dataset: Dataset, micro_batch: int, global_batch: int, grad_accum: int,
-                 rt: Runtime, seed: int) -> None:
+    def __init__(self, dataset: Dataset, sizes: list[int], grad_accum: int, rt: Runtime,
+                 seed: int) -> None:
+        if sum(sizes) > len(dataset) or min(sizes) < grad_accum:
+            raise ValueError(f"split {sizes} of {len(dataset)} samples: the global batch must "
+                             f"fit the data and each share hold {grad_accum} micro-batch(es)")
         self.rt = rt
-        self.global_micro_batch = global_batch // grad_accum  # samples per micro-batch, all ranks
-        self.sampler = GlobalOrderSampler(len(dataset), global_batch, rt.rank, rt.world_size, seed)
+        self.sampler = GlobalOrderSampler(len(dataset), sizes, grad_accum, rt.rank, seed)
         self.on_cuda = rt.device.type == "cuda"
-        self.loader = DataLoader(dataset, batch_size=micro_batch, sampler=self.sampler,
-                                 drop_last=True, pin_memory=self.on_cuda)
-        if len(self.loader) == 0:
-            raise ValueError(f"a micro-batch of {micro_batch} exceeds this rank's data share")
-        self.epoch, self.position = 0, 0
-        self.iterator = None
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, pin_memory=self.on_cuda)
+        self.iterator = iter(self.loader)
 
     def __iter__(self) -> TrainBatches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position >= self.sampler.epoch_length:
-            self.epoch, self.position, self.iterator = self.epoch + 1, 0, None
-        if self.iterator is None:
-            self.sampler.set_epoch(self.epoch, self.position)
-            self.iterator = iter(self.loader)
         inputs, labels = next(self.iterator)
-        self.position += self.global_micro_batch
         return (inputs.to(self.rt.device, non_blocking=self.on_cuda),
                 labels.to(self.rt.device, non_blocking=self.on_cuda))
 
+    def set_sizes(self, sizes: list[int]) -> None:
+        """A new split of the same global batch, from the next global batch on."""
+        self.sampler.set_sizes(sizes)
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position, self.iterator = state["epoch"], state["position"], None
+        self.sampler.set_position(state["epoch"], state["position"])
+        self.iterator = iter(self.loader)  # nothing of the old position is left in flight
 
 
 def eval_batches(dataset: Dataset, batch_size: int, rt: Runtime) -> DataLoader:
