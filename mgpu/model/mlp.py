@@ -19,9 +19,8 @@ class MLP(nn.Module):
         super().__init__()
         sizes = [math.prod(input_shape), *hidden]
         # No Dropout module at p=0: it would still cost a call per layer and step.
-        regularise = [nn.Dropout(dropout)] if dropout else []
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(i, o), nn.ReLU(), *regularise)
+            nn.Sequential(nn.Linear(i, o), nn.ReLU(), *([nn.Dropout(dropout)] if dropout else []))
             for i, o in zip(sizes[:-1], sizes[1:], strict=True)
         )
         self.head = nn.Linear(sizes[-1], num_classes)
