@@ -3,14 +3,14 @@
 Hydra composes `conf/config.yaml` against the schema below, so unknown root keys and wrong
 types fail at composition. Group nodes (strategy, model, ...) have no dataclass of their own:
 the constructor of their `_target_` is their schema, checked by `check_group`. `prepare` then
-runs the cross-group rules and resolves the config once into the plain dict every worker gets.
+runs the cross-group rules (`mgpu.support`, from what each option declares) and resolves the
+config once into the plain dict every worker gets.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import inspect
 import os
 import typing
@@ -22,8 +22,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mgpu import support
 from mgpu.checkpoint import check_checkpoint
 from mgpu.errors import ConfigError
+from mgpu.options import import_target
 
 GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
@@ -121,15 +123,6 @@ class MgpuConfig:
 
 
 ConfigStore.instance().store(name="mgpu_schema", node=MgpuConfig)
-
-
-def import_target(path: str) -> Any:
-    """The class or function a `_target_` string names."""
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"_target_={path}: cannot import it ({e})") from None
 
 
 def _signature_schema(target: Any, skip: set[str]) -> type:
@@ -316,6 +309,7 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
         world_size = nnodes[0] * nproc
     job["launch"]["nproc_per_node"] = nproc
     job["launch"]["world_size"] = world_size
+    support.check(job, settings)  # options of different groups that cannot run together
     if not getattr(settings["balance"], "uneven", False):  # uneven splits check their own batch
         check_batch(job, world_size)
     check_fault(job, world_size)

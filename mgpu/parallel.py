@@ -16,8 +16,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from mgpu.config import import_target, instantiate_settings
+from mgpu.config import instantiate_settings
 from mgpu.errors import ConfigError
+from mgpu.options import import_target
 
 CHECKPOINTING = ("none", "full", "selective")
 
@@ -63,17 +64,6 @@ def model_class(job: dict) -> type:
 def data_input_shape(job: dict) -> tuple[int, ...]:
     """One sample's shape, from the data settings alone (nothing is loaded), for parent checks."""
     return tuple(instantiate_settings(job["data"]).input_shape)
-
-
-def require_model(job: dict, strategy: str, attribute: str, what: str) -> type:
-    """The model's class, or a ConfigError naming the strategy and the model it cannot split."""
-    cls = model_class(job)
-    if not hasattr(cls, attribute):
-        raise ConfigError(
-            f"strategy={strategy} needs a model with {what}; model {cls.__name__} "
-            f"({job['model']['_target_']}) has none: use model=gpt"
-        )
-    return cls
 
 
 def check_checkpointing(mode: str) -> None:

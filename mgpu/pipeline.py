@@ -34,13 +34,9 @@ def stages_per_rank(schedule: str) -> int:
 
 
 def check_pipeline(job: dict, schedule: str, microbatches: int, pp: int, dp: int) -> None:
-    """The rules a pipeline of `pp` ranks puts on its settings (parent, before launch)."""
-    local_batch, grad_accum = job["data"]["batch_size"] // dp, job["train"]["grad_accum"]
-    if job["precision"]["_target_"].startswith("mgpu.precision.amp."):
-        raise ConfigError(
-            "precision=amp scales the loss before backward, but pipeline schedules run the "
-            "backward themselves; use precision=bf16 or precision=fp32 with a pipeline"
-        )
+    """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch);
+    those it puts on other groups (no loss scaling, no grad_accum) are in `mgpu.support`."""
+    local_batch = job["data"]["batch_size"] // dp
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
     if microbatches < pp:
@@ -52,11 +48,6 @@ def check_pipeline(job: dict, schedule: str, microbatches: int, pp: int, dp: int
         raise ConfigError(
             f"strategy.microbatches={microbatches}: must divide the batch of {local_batch} each "
             f"pipeline receives (data.batch_size / data-parallel degree)"
-        )
-    if grad_accum != 1:
-        raise ConfigError(
-            f"train.grad_accum={grad_accum}: pipeline schedules accumulate over "
-            f"strategy.microbatches already; use train.grad_accum=1"
         )
 
 

@@ -164,7 +164,6 @@ def test_thermal_without_nvml_logs_once_and_uses_throughput(tmp_path, caplog):
     ("overrides", "message"),
     [
         (["balance=ssp", "balance.staleness=-1"], "balance.staleness=-1: must be >= 0"),
-        (["balance=ssp", "strategy=single"], "balance=ssp needs strategy=ddp"),
         (["straggler.slowdown=[1.0,2.0,1.0]"], "straggler.slowdown=[1.0, 2.0, 1.0]: give one"),
         (["straggler.slowdown=[1.0,0.5]"], "factors must be >= 1.0"),
         (["straggler.jitter_s=-1"], "straggler.jitter_s=-1.0: must be >= 0"),

@@ -13,8 +13,20 @@ from mgpu.runtime import Runtime
 
 
 class Balance(Protocol):
+    """What a balance declares, read by `mgpu.support` and the support matrix."""
+
     #: True where ranks may get different shares (the batch need not divide by the world size).
     uneven: bool
+    #: It times each rank's own work with the step clock, even without a simulated straggler.
+    measures: bool
+    #: It works through a DDP comm hook (the strategy must take one, and nothing else install one).
+    needs_comm_hook: bool
+    #: It learns from step to step (measured rates, a split, gradients in flight): checkpointed.
+    stateful: bool
+    #: Each step applies that step's averaged gradients (not older ones).
+    exact: bool
+    #: The same seed gives bitwise the same run (not so where the split follows measured time).
+    deterministic: bool
 
     def validate(self, job: dict) -> None:
         """Raise ConfigError for settings this option cannot run with (parent, before launch)."""

@@ -20,6 +20,10 @@ from mgpu.straggler import Straggler
 class EqualSplit:
     uneven = False
     measures = False  # whether the option needs the step clock even without a straggler
+    needs_comm_hook = False
+    stateful = False
+    exact = True
+    deterministic = True
 
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         return global_batch // world_size

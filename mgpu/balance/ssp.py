@@ -30,9 +30,6 @@ from mgpu.balance.none import EqualSplit
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
 
-DDP_TARGET = "mgpu.strategy.ddp.DDP"
-NO_COMPRESSION = "mgpu.compression.none."
-
 
 class StaleGradients:
     """DDP comm hook state: the in-flight all-reduces of the last `staleness` + 1 steps."""
@@ -89,23 +86,15 @@ def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
 
 class StaleSynchronous(EqualSplit):
     measures = True
+    needs_comm_hook = True
+    stateful = True  # the averaged gradients still to be applied
+    exact = False  # step t applies the gradients of step t - staleness
 
     def __init__(self, staleness: int = 2) -> None:
         if staleness < 0:
             raise ConfigError(f"balance.staleness={staleness}: must be >= 0 (0 = synchronous)")
         self.staleness = staleness
         self.ahead = 0
-
-    def validate(self, job: dict) -> None:
-        if job["strategy"]["_target_"] != DDP_TARGET:
-            raise ConfigError(
-                f"balance=ssp needs strategy=ddp (it installs a DDP comm hook), not "
-                f"{job['strategy']['_target_']}"
-            )
-        if not job["compression"]["_target_"].startswith(NO_COMPRESSION):
-            raise ConfigError(
-                "balance=ssp installs its own DDP comm hook; use compression=none with it"
-            )
 
     def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
         super().attach(model, rt, job)

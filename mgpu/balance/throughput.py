@@ -48,6 +48,8 @@ def proportional_split(speeds: list[float], total: int, minimum: int) -> list[in
 class Throughput(EqualSplit):
     uneven = True
     measures = True
+    stateful = True
+    deterministic = False  # the split follows measured step times
 
     def __init__(
         self,

@@ -8,8 +8,14 @@ from torch import nn
 
 
 class Compression(Protocol):
-    def validate(self, job: dict) -> None:
-        """Raise ConfigError where the strategy cannot carry this compression."""
+    """What a compression declares, read by `mgpu.support` and the support matrix."""
+
+    #: It is a DDP comm hook: the strategy must take one (and nothing else may install one).
+    needs_comm_hook: bool
+    #: It keeps state from step to step (error feedback), saved in every checkpoint.
+    stateful: bool
+    #: Ranks apply exactly the averaged gradients (no rounding or approximation on the wire).
+    exact: bool
 
     def register(self, model: nn.Module) -> None:
         """Install the compression on the wrapped model (a DDP comm hook, say)."""

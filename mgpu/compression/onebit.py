@@ -48,6 +48,8 @@ def decode_mean(payloads: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class OneBit(CommHookCompression):
+    stateful = True  # error-feedback residuals and the step count
+
     def __init__(self, warmup_steps: int = 50) -> None:
         super().__init__()
         if warmup_steps < 0:

@@ -17,6 +17,8 @@ class PowerSGD(CommHookCompression):
     matrices: see `min_compression_rate`), torch all-reduces the plain gradients.
     """
 
+    stateful = True  # error feedback, P/Q memories and the random generator
+
     def __init__(
         self,
         matrix_approximation_rank: int = 2,

@@ -9,6 +9,9 @@ from torch import nn
 
 
 class Model(Protocol):
+    #: It normalises over the batch (BatchNorm): a rank's local batch changes its outputs.
+    batch_statistics: bool
+
     def __call__(self, x): ...
 
     def blocks(self) -> list[nn.Module]:

@@ -7,6 +7,8 @@ from torch import nn
 
 
 class CNN(nn.Module):
+    batch_statistics = True  # BatchNorm
+
     def __init__(
         self,
         input_shape: tuple[int, ...],

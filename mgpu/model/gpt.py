@@ -75,6 +75,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    batch_statistics = False
+
     def __init__(
         self,
         input_shape: tuple[int, ...],

@@ -9,6 +9,8 @@ from torch import nn
 
 
 class MLP(nn.Module):
+    batch_statistics = False
+
     def __init__(
         self,
         input_shape: tuple[int, ...],

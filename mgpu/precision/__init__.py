@@ -14,6 +14,8 @@ class Precision(Protocol):
     #: weights stay fp32), and dtype gradients are reduced in (for sharded strategies).
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    #: The loss is scaled before backward (and gradients unscaled before the step).
+    loss_scaling: bool
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Before the strategy wraps the model: adapt it (tensor-core padding)."""

@@ -23,6 +23,7 @@ from mgpu.precision.common import PrecisionBase, loss_seed
 class AMP(PrecisionBase):
     param_dtype = torch.float16  # compute dtype of parameters (FSDP's MixedPrecisionPolicy)
     reduce_dtype = torch.float32  # gradients are reduced in fp32
+    loss_scaling = True
 
     def __init__(
         self,

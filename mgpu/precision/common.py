@@ -70,6 +70,7 @@ class PrecisionBase:
 
     param_dtype = torch.float32
     reduce_dtype = torch.float32
+    loss_scaling = False
 
     def __init__(self, pad_to_multiple_of: int = 1, max_nonfinite_steps: int = 20) -> None:
         if pad_to_multiple_of < 1:

@@ -21,10 +21,24 @@ from mgpu.runtime import Runtime
 
 
 class Strategy(Protocol):
+    """What a strategy declares (plain class attributes, or properties where its settings
+    decide), read by the cross-group rules in `mgpu.support` and the support matrix."""
+
     #: Number of processes the strategy requires, or None for any.
     world_size: int | None
-    #: Whether gradients travel through DDP, so a compression's comm hook can carry them.
+    #: Every rank holds every parameter whole, so all ranks' gradients agree after the step.
+    replicates_params: bool
+    #: Gradients travel through DDP, so a compression's or a balance's comm hook can carry them.
     supports_comm_hook: bool
+    #: Each rank keeps the optimizer state of its own share of the parameters only.
+    shards_optimizer: bool
+    #: The model is cut into pipeline stages whose schedule runs forward and backward itself.
+    pipelined: bool
+    #: Ranks may take unequal shares of the global batch, and a rank's forward and backward
+    #: hold no collective, so its step time is its own work (what balance options split by).
+    uneven_batches: bool
+    #: Model methods the strategy splits the model with (`mgpu.support.MODEL_PLANS`).
+    model_plans: tuple[str, ...]
 
     def validate(self, job: dict) -> None:
         """Raise ConfigError for settings this strategy cannot run with (parent, before launch)."""

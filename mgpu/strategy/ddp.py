@@ -14,7 +14,12 @@ from mgpu.strategy import Strategy
 
 class DDP(Strategy):
     world_size = None
-    supports_comm_hook = True  # compressions register DDP comm hooks on the wrapped model
+    replicates_params = True
+    supports_comm_hook = True  # compressions and balance=ssp register DDP comm hooks
+    shards_optimizer = False
+    pipelined = False
+    uneven_batches = True  # the all-reduce starts once a rank's own backward is done
+    model_plans = ()
 
     def __init__(
         self,

@@ -22,7 +22,12 @@ from mgpu.strategy import Strategy
 
 class FSDP(Strategy):
     world_size = None
+    replicates_params = False
     supports_comm_hook = False
+    shards_optimizer = True
+    pipelined = False
+    uneven_batches = False  # every block's forward and backward gathers from all ranks
+    model_plans = ()
 
     def __init__(
         self,

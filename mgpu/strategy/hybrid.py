@@ -21,7 +21,7 @@ from mgpu.parallel import (
     check_checkpointing,
     data_input_shape,
     memory_metrics,
-    require_model,
+    model_class,
 )
 from mgpu.pipeline import Pipeline, check_pipeline, stages_per_rank
 from mgpu.runtime import Runtime
@@ -31,8 +31,9 @@ from mgpu.strategy.tp import split_blocks
 
 
 class Hybrid(Strategy):
-    world_size = None
     supports_comm_hook = False
+    shards_optimizer = True
+    uneven_batches = False  # FSDP gathers inside forward and backward
 
     def __init__(
         self,
@@ -64,6 +65,18 @@ class Hybrid(Strategy):
         self.mesh: DeviceMesh | None = None
         self.pipe: Pipeline | None = None
 
+    @property
+    def replicates_params(self) -> bool:
+        return self.tp == 1 and self.pp == 1 and self.dp_shard == 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def model_plans(self) -> tuple[str, ...]:
+        return ("tp_plan",) * (self.tp > 1) + ("pipeline_stage",) * (self.pp > 1)
+
     def validate(self, job: dict) -> None:
         world = job["launch"]["world_size"]
         if self.dp * self.tp * self.pp != world:
@@ -72,14 +85,10 @@ class Hybrid(Strategy):
                 f"{self.dp * self.tp * self.pp}: must equal the world size {world} "
                 f"(launch.nproc_per_node x nnodes)"
             )
-        model = require_model(job, "hybrid", "blocks", "blocks to shard")
-        if self.tp > 1:
-            model = require_model(job, "hybrid", "tp_plan", "a tensor-parallel plan")
         if self.pp > 1:
-            model = require_model(job, "hybrid", "pipeline_stage", "pipeline split points")
             check_pipeline(job, self.schedule, self.microbatches, self.pp, self.dp)
         if self.tp > 1 or self.pp > 1:
-            model.check_parallel(
+            model_class(job).check_parallel(
                 job["model"], tp=self.tp, pp=self.pp * stages_per_rank(self.schedule),
                 sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
             )

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgpu.parallel import apply_checkpointing, check_checkpointing, memory_metrics, require_model
+from mgpu.parallel import apply_checkpointing, check_checkpointing, memory_metrics, model_class
 from mgpu.pipeline import Pipeline, check_pipeline, stages_per_rank
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
@@ -17,7 +17,12 @@ from mgpu.strategy import Strategy, with_rank
 
 class PP(Strategy):
     world_size = None
+    replicates_params = False
     supports_comm_hook = False
+    shards_optimizer = True  # each rank steps its own stages' parameters
+    pipelined = True
+    uneven_batches = False  # every rank reads the same samples
+    model_plans = ("pipeline_stage",)
 
     def __init__(
         self, schedule: str = "1f1b", microbatches: int = 4, activation_checkpointing: str = "none"
@@ -30,9 +35,8 @@ class PP(Strategy):
 
     def validate(self, job: dict) -> None:
         pp = job["launch"]["world_size"]
-        model = require_model(job, "pp", "pipeline_stage", "pipeline split points")
         check_pipeline(job, self.schedule, self.microbatches, pp, dp=1)
-        model.check_parallel(job["model"], tp=1, pp=pp * stages_per_rank(self.schedule))
+        model_class(job).check_parallel(job["model"], tp=1, pp=pp * stages_per_rank(self.schedule))
 
     def wrap(
         self, model: nn.Module, rt: Runtime, network: object, precision: object

@@ -14,7 +14,12 @@ from mgpu.strategy import Strategy
 
 class Single(Strategy):
     world_size = 1
+    replicates_params = True
     supports_comm_hook = False
+    shards_optimizer = False
+    pipelined = False
+    uneven_batches = True  # one share: the whole batch
+    model_plans = ()
 
     def __init__(self, activation_checkpointing: str = "none") -> None:
         check_checkpointing(activation_checkpointing)

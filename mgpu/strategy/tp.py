@@ -14,7 +14,7 @@ from mgpu.parallel import (
     apply_checkpointing,
     check_checkpointing,
     data_input_shape,
-    require_model,
+    model_class,
 )
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
@@ -22,7 +22,12 @@ from mgpu.strategy import Strategy, with_rank
 
 class TP(Strategy):
     world_size = None
+    replicates_params = False
     supports_comm_hook = False
+    shards_optimizer = True  # the state of each split weight is split with it
+    pipelined = False
+    uneven_batches = False  # every rank reads the same samples
+    model_plans = ("tp_plan",)
 
     def __init__(
         self, sequence_parallel: bool = False, activation_checkpointing: str = "none"
@@ -32,8 +37,7 @@ class TP(Strategy):
         self.activation_checkpointing = activation_checkpointing
 
     def validate(self, job: dict) -> None:
-        model = require_model(job, "tp", "tp_plan", "a tensor-parallel plan")
-        model.check_parallel(
+        model_class(job).check_parallel(
             job["model"], tp=job["launch"]["world_size"], pp=1,
             sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
         )

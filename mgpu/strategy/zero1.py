@@ -17,7 +17,7 @@ from mgpu.strategy.ddp import DDP
 
 
 class Zero1(DDP):
-    supports_comm_hook = True
+    shards_optimizer = True  # the rest as DDP: gradients still travel through its comm hook
 
     def build_optimizer(
         self, optim: object, model: nn.Module, total_steps: int

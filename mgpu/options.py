@@ -1,0 +1,50 @@
+"""The options in conf/ and the classes their `_target_`s name.
+
+`_target_` is the registry: an option is a YAML file in conf/<group>/ naming its class, and a
+user's own class plugs in the same way. These lookups turn a class back into the option name a
+user writes (for messages) and list a group's options (for the support matrix).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from mgpu.errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def import_target(path: str) -> Any:
+    """The class or function a `_target_` string names."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"_target_={path}: cannot import it ({e})") from None
+
+
+def conf_nodes(group: str) -> dict[str, dict]:
+    """{option name: its YAML as a dict} for every file in conf/<group>/ with a `_target_`."""
+    return copy.deepcopy(_load_group(group))
+
+
+@functools.cache
+def _load_group(group: str) -> dict[str, dict]:
+    nodes = {}
+    for path in sorted((CONF / group).glob("*.yaml")):
+        node = OmegaConf.to_container(OmegaConf.load(path))
+        if node.get("_target_"):
+            nodes[path.stem] = node
+    return nodes
+
+
+def option_name(group: str, target: str) -> str:
+    """How a user selects `target`: `group=<option>` where conf/ has it, else by its _target_."""
+    name = next((n for n, node in conf_nodes(group).items() if node["_target_"] == target), None)
+    return f"{group}={name}" if name else f"{group}._target_={target}"

@@ -1,0 +1,234 @@
+"""Which options of different groups run together: rules over what each option declares.
+
+Every option states what it offers and needs as plain class attributes: a strategy whether it
+takes a DDP comm hook, runs a pipeline, lets ranks take unequal batches; a precision whether it
+scales the loss; a compression whether it is a comm hook; a balance whether it splits the batch
+unevenly; a model which parallel plans it has and whether it keeps batch statistics. The rules
+below read only those declarations, never class names, so an option added later (a user's own
+class too) joins them by declaring what it does.
+
+Each rule concerns two groups. The same rules refuse a bad job in the parent (`check`) and
+draw the pairwise support matrix (`mgpu/matrix.py`), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mgpu.errors import ConfigError
+from mgpu.options import conf_nodes, import_target, option_name
+
+#: The groups (and the one root key) whose combinations the rules and the matrix cover.
+AXES = ("strategy", "precision", "compression", "balance", "model", "grad_accum")
+GRAD_ACCUM_KEY = "train.grad_accum"
+
+#: Model methods a strategy may need, and what they give it.
+MODEL_PLANS = {
+    "tp_plan": "a tensor-parallel plan (tp_plan)",
+    "pipeline_stage": "pipeline split points (pipeline_stage)",
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One choice on one axis: how the user writes it, and the object that declares what it
+    does (a settings instance; for a model its class; for grad_accum the number)."""
+
+    axis: str
+    name: str  # "strategy=ddp", "train.grad_accum=2"
+    obj: Any
+
+    def __str__(self) -> str:
+        return self.name
+
+    def declares(self, attribute: str) -> Any:
+        """The option's declaration `attribute`; a ConfigError names it if the class has none."""
+        try:
+            return getattr(self.obj, attribute)
+        except AttributeError:
+            raise ConfigError(
+                f"{self.name}: {type(self.obj).__name__} declares no `{attribute}`; every "
+                f"{self.axis} option states it (see mgpu/{self.axis}/__init__.py)"
+            ) from None
+
+
+# ---- the options as configured in conf/ ------------------------------------------------------
+
+
+def conf_options(group: str, settings: dict[str, dict] | None = None) -> list[Option]:
+    """Every option of `group` in conf/, built from its YAML (updated by `settings[name]`):
+    settings objects for the groups that have them, the class itself for a model."""
+    options = []
+    for name, node in conf_nodes(group).items():
+        kwargs = {**node, **(settings or {}).get(name, {})}
+        target = import_target(kwargs.pop("_target_"))
+        options.append(Option(group, f"{group}={name}", target if group == "model" else
+                              target(**kwargs)))
+    return options
+
+
+def grad_accum_options(values: Iterable[int]) -> list[Option]:
+    return [Option("grad_accum", f"{GRAD_ACCUM_KEY}={n}", n) for n in values]
+
+
+def alternatives(group: str, accepted: Callable[[Option], bool]) -> str:
+    """The options of `group` that `accepted` admits, as a user would write them."""
+    names = [str(o) for o in catalogue(group) if accepted(o)]
+    return " or ".join(names) or f"a {group} option that declares it"
+
+
+@functools.cache
+def catalogue(group: str) -> tuple[Option, ...]:
+    """`group`'s options at their YAML settings (built once: conf/ does not change in a run)."""
+    return tuple(conf_options(group))
+
+
+# ---- the rules -------------------------------------------------------------------------------
+
+
+def one_process(strategy: Option) -> bool:
+    return strategy.declares("world_size") == 1
+
+
+def compression_needs_a_comm_hook(compression: Option, strategy: Option) -> str | None:
+    """A compression that is a DDP comm hook needs a strategy whose model takes one."""
+    if not compression.declares("needs_comm_hook") or strategy.declares("supports_comm_hook"):
+        return None
+    why = "one process has nothing to communicate" if one_process(strategy) else (
+        "it takes no DDP comm hook")
+    plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook"))
+    return (f"{compression} cannot run with {strategy} ({why}); use "
+            f"{alternatives('strategy', lambda s: s.declares('supports_comm_hook'))}, or {plain}")
+
+
+def balance_needs_a_comm_hook(balance: Option, strategy: Option) -> str | None:
+    """A balance that works through a DDP comm hook (stale gradients) needs a DDP model."""
+    if not balance.declares("needs_comm_hook") or strategy.declares("supports_comm_hook"):
+        return None
+    why = "one process has nothing to synchronise" if one_process(strategy) else (
+        "it works through a DDP comm hook, which this strategy does not take")
+    return (f"{balance} cannot run with {strategy} ({why}); use "
+            f"{alternatives('strategy', lambda s: s.declares('supports_comm_hook'))}, or "
+            f"balance=none")
+
+
+def one_comm_hook(balance: Option, compression: Option) -> str | None:
+    """DDP takes one comm hook: a balance and a compression cannot both install theirs."""
+    if not (balance.declares("needs_comm_hook") and compression.declares("needs_comm_hook")):
+        return None
+    plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook"))
+    return (f"{balance} cannot run with {compression} (each installs DDP's one comm hook); "
+            f"use {plain} with {balance}, or balance=none")
+
+
+def uneven_batches_need_local_steps(balance: Option, strategy: Option) -> str | None:
+    """An uneven split is decided from each rank's own step time, which only exists where a
+    rank's forward and backward hold no collective the other ranks take part in."""
+    if not balance.declares("uneven") or strategy.declares("uneven_batches"):
+        return None
+    return (f"{balance} cannot run with {strategy} (its ranks communicate inside forward and "
+            f"backward, so no rank's step time is its own work to split the batch by); use "
+            f"{alternatives('strategy', lambda s: s.declares('uneven_batches'))}, or balance=none")
+
+
+def uneven_batches_change_batch_statistics(balance: Option, model: Option) -> str | None:
+    """BatchNorm normalises over the local batch: unequal shares change what is computed."""
+    if not balance.declares("uneven") or not model.declares("batch_statistics"):
+        return None
+    return (f"{balance} cannot run with {model} (the model normalises over each rank's local "
+            f"batch, so unequal shares change what it computes); use balance=none, or "
+            f"{alternatives('model', lambda m: not m.declares('batch_statistics'))}")
+
+
+def pipelines_run_their_own_backward(precision: Option, strategy: Option) -> str | None:
+    """A pipeline schedule calls backward itself, so a loss scale cannot be put in front."""
+    if not (precision.declares("loss_scaling") and strategy.declares("pipelined")):
+        return None
+    return (f"{precision} cannot run with {strategy} (it scales the loss before backward, but "
+            f"pipeline schedules run the backward themselves); use "
+            f"{alternatives('precision', lambda p: not p.declares('loss_scaling'))}")
+
+
+def pipelines_accumulate_already(grad_accum: Option, strategy: Option) -> str | None:
+    """A pipeline step already accumulates gradients over its micro-batches."""
+    if grad_accum.obj == 1 or not strategy.declares("pipelined"):
+        return None
+    return (f"{grad_accum} cannot run with {strategy} (pipeline schedules accumulate over "
+            f"strategy.microbatches already); use {GRAD_ACCUM_KEY}=1")
+
+
+def strategy_needs_a_model_plan(strategy: Option, model: Option) -> str | None:
+    """Tensor and pipeline parallelism split a model where the model says it can be split."""
+    for plan in strategy.declares("model_plans"):
+        if not callable(getattr(model.obj, plan, None)):
+            return (f"{strategy} cannot run with {model} (it needs a model with "
+                    f"{MODEL_PLANS[plan]}, which {model.obj.__name__} lacks); use "
+                    f"{alternatives('model', lambda m, p=plan: callable(getattr(m.obj, p, None)))}")
+    return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    axes: tuple[str, str]
+    refusal: Callable[[Option, Option], str | None]
+
+    @property
+    def summary(self) -> str:
+        """What the rule says, in general terms (its docstring, as one line)."""
+        return " ".join(inspect.getdoc(self.refusal).split())
+
+
+RULES = (
+    Rule(("compression", "strategy"), compression_needs_a_comm_hook),
+    Rule(("balance", "strategy"), balance_needs_a_comm_hook),
+    Rule(("balance", "compression"), one_comm_hook),
+    Rule(("balance", "strategy"), uneven_batches_need_local_steps),
+    Rule(("balance", "model"), uneven_batches_change_batch_statistics),
+    Rule(("precision", "strategy"), pipelines_run_their_own_backward),
+    Rule(("grad_accum", "strategy"), pipelines_accumulate_already),
+    Rule(("strategy", "model"), strategy_needs_a_model_plan),
+)
+
+
+def pair_refusal(a: Option, b: Option) -> tuple[Rule, str] | None:
+    """The rule that refuses options `a` and `b` (of two different axes) and its reason."""
+    for rule in RULES:
+        if rule.axes == (a.axis, b.axis):
+            reason = rule.refusal(a, b)
+        elif rule.axes == (b.axis, a.axis):
+            reason = rule.refusal(b, a)
+        else:
+            continue
+        if reason:
+            return rule, reason
+    return None
+
+
+def refusal(chosen: dict[str, Option]) -> str | None:
+    """The first reason the chosen options (one per axis) cannot run together, or None."""
+    for rule in RULES:
+        first, second = rule.axes
+        if first in chosen and second in chosen:
+            reason = rule.refusal(chosen[first], chosen[second])
+            if reason:
+                return reason
+    return None
+
+
+def check(job: dict, settings: dict[str, Any]) -> None:
+    """ConfigError naming both keys where the job's options cannot run together (parent)."""
+    chosen = {
+        group: Option(group, option_name(group, job[group]["_target_"]), settings[group])
+        for group in ("strategy", "precision", "compression", "balance")
+    }
+    model = import_target(job["model"]["_target_"])
+    chosen["model"] = Option("model", option_name("model", job["model"]["_target_"]), model)
+    [chosen["grad_accum"]] = grad_accum_options([job["train"]["grad_accum"]])
+    reason = refusal(chosen)
+    if reason:
+        raise ConfigError(reason)
+

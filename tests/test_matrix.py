@@ -1,0 +1,286 @@
+"""The support matrix as a test tier: every combination the config accepts trains correctly,
+every other is refused before launch with one line naming both keys.
+
+The combinations are `mgpu.matrix`'s covering array: together they hold every supported pair
+of options of strategy, precision, compression, balance, model and train.grad_accum. Each
+supported one is a short real run on its world size's gloo group, checked after every step
+(every rank holds the same value of every parameter it shares with another rank; the loss is
+finite and falls), at the end (every rank predicts the same logits for the same inputs), and
+across a SIGKILL: the group is killed after the checkpoint, restarted by the launcher, resumes
+every combination from its checkpoint and must end bitwise where the uninterrupted run ended
+(loss at every redone step, eval metrics, each rank's parameters and optimizer state) — or,
+where a balance declares itself not deterministic (its split follows measured time), within
+the stated bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.tensor import DTensor
+
+from mgpu.errors import ConfigError
+from mgpu.launch import WORKER_ENV, environment
+from mgpu.matrix import BEGIN, END, axis_options, covering_rows, overrides, refused_rows, render
+from mgpu.precision.padding import WRAPPER_NAMES
+from mgpu.run import Run
+from mgpu.runtime import init_runtime, shutdown
+from mgpu.support import AXES
+from tests.conftest import ROOT, make_job
+
+STEPS, CHECKPOINT_AT = 10, 6  # resumed runs redo steps 7..10
+RUN = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.log_every=5",
+       "eval.every_steps=0", f"checkpoint.every_steps={CHECKPOINT_AT}", "checkpoint.keep_last=1",
+       "launch.timeout_s=120"]
+# Per option: settings that make it act within 10 steps (warm-ups) and keep the run small.
+SHORT = {
+    "model=gpt": ["model.dim=32", "model.mlp_ratio=2"],
+    "model=cnn": ["model.channels=[8,16]", "model.hidden=32"],
+    "compression=onebit": ["compression.warmup_steps=2"],
+    "compression=powersgd": ["compression.start_powerSGD_iter=2"],
+    "balance=throughput": ["balance.warmup_steps=3", "balance.rebalance_every=2"],
+    "balance=thermal": ["balance.warmup_steps=3", "balance.rebalance_every=2"],
+}
+# Where the split follows measured step times, a resumed run may split differently and sum in
+# another order: its losses must stay within this of the uninterrupted run's (AdamW turns
+# float noise into lr-sized steps, so parameters are held to a few lr-sized steps).
+LOSS_BOUND, PARAM_BOUND = 1e-3, 4 * 2e-3 * (STEPS - CHECKPOINT_AT)
+
+OPTIONS = axis_options()
+RUNS = {"-".join(row[axis].name.partition("=")[2] for axis in AXES): row
+        for row in covering_rows(OPTIONS)}
+REFUSED = refused_rows(OPTIONS)
+
+
+def cell_overrides(row) -> list[str]:
+    short = [s for option in row.values() for s in SHORT.get(option.name, [])]
+    return [*overrides(row), *RUN, *short]
+
+
+# ---- the matrix itself -----------------------------------------------------------------------
+
+
+def test_readme_holds_the_current_matrix():
+    readme = (ROOT / "README.md").read_text()
+    current = readme[readme.index(BEGIN) : readme.index(END) + len(END)]
+    fix = "python -m mgpu.matrix --write README.md"
+    assert current == render(), f"the README's matrix is stale: {fix}"
+
+
+def test_covering_rows_hold_every_supported_pair_and_run_together():
+    from mgpu.matrix import pairs, supported_and_refused
+
+    supported, refused = supported_and_refused(OPTIONS)
+    covered = set().union(*(pairs(row) for row in RUNS.values()))
+    assert covered == supported
+    assert not covered & set(refused)
+    assert {pair for row, _ in REFUSED for pair in pairs(row)} >= set(refused)
+
+
+@pytest.mark.parametrize(("row", "reason"), REFUSED, ids=[r for _, r in REFUSED])
+def test_refused_combination_fails_composition_with_its_reason(row, reason, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        make_job(overrides(row), tmp_path)
+    assert str(error.value) == reason
+    names = [o.name for o in row.values()]
+    assert sum(name in reason for name in names) >= 2, "the reason must name both keys"
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_supported_combination_composes(name, tmp_path):
+    job = make_job(cell_overrides(RUNS[name]), tmp_path)
+    assert job["launch"]["world_size"] in (1, 2, 4)
+
+
+# ---- the runs: one gloo group per world size, every combination in turn ----------------------
+
+
+def run_cells(jobs: dict[str, dict], results: str, timeout_s: int) -> None:
+    """Per rank: each combination in turn on one process group. After the first attempt the
+    last rank kills itself (SIGKILL): the launcher restarts the group, and every combination
+    resumes from its checkpoint in a fresh process."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    rt = init_runtime(results, timeout_s)
+    try:
+        for name, job in jobs.items():
+            own = dataclasses.replace(rt, output_dir=Path(job["output_dir"]))
+            try:
+                record = train_cell(job, own)
+            except Exception as e:  # recorded, so the other combinations still run
+                record = {"error": f"{type(e).__name__}: {e}"}
+            torch.save(record, Path(results) / f"{name}.attempt{attempt}.rank{rt.rank}.pt")
+            gc.collect()
+    finally:
+        shutdown()
+    if attempt == 0 and rt.rank == rt.world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_cell(job: dict, rt) -> dict:
+    """The real training loop, checked after every step; what the test compares afterwards."""
+    run = Run.build(job, rt, None)
+    losses: dict[int, float] = {}
+    diverged: list[int] = []
+    step_once = run.train_step
+
+    def checked_step() -> torch.Tensor:
+        loss = step_once()
+        step = run.start_step + len(losses) + 1
+        losses[step] = float(loss)
+        if not replicas_agree(run):
+            diverged.append(step)
+        return loss
+
+    run.train_step = checked_step
+    try:
+        summary = run.train()
+        return {
+            "error": None, "start": run.start_step, "losses": losses, "diverged": diverged,
+            "eval": {k: v for k, v in summary.items() if k.startswith("eval/")},
+            "probe_agrees": predictions_agree(run, job), "state": held_state(run),
+        }
+    finally:
+        run.close()
+
+
+def held_modules(run: Run) -> list[torch.nn.Module]:
+    """The modules this rank holds: its pipeline stages, or the (wrapped) model."""
+    pipe = getattr(run.strategy, "pipe", None)
+    return list(pipe.modules) if pipe else [run.model]
+
+
+def own_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
+def replicas_agree(run: Run) -> bool:
+    """Every parameter is bitwise the same on every rank that holds it (sharded ones gathered)."""
+    digests = {}
+    for module in held_modules(run):
+        for name, param in module.named_parameters():
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            raw = whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            digests[own_name(name)] = hashlib.sha256(raw.tobytes()).hexdigest()
+    everyone = [None] * run.rt.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, digests)
+    else:
+        everyone = [digests]
+    return all(len({d[name] for d in everyone if name in d}) == 1 for name in digests)
+
+
+def predictions_agree(run: Run, job: dict) -> bool:
+    """Every rank predicts bitwise the same logits for the same held-out inputs."""
+    _, val_set = instantiate(job["data"]).splits(job["seed"])
+    inputs = torch.stack([val_set[i][0] for i in range(32)]).to(run.rt.device)
+    run.model.eval()
+    with torch.no_grad(), run.precision.autocast(run.rt.device):
+        logits = run.strategy.predict(run.model, inputs).float()
+    run.model.train()
+    if not dist.is_initialized():
+        return True
+    everyone = [torch.empty_like(logits) for _ in range(run.rt.world_size)]
+    dist.all_gather(everyone, logits)
+    return all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
+
+
+def held_state(run: Run) -> dict[str, torch.Tensor]:
+    """This rank's parameters and optimizer state as it holds them (shards stay shards)."""
+    state = {f"param/{own_name(name)}": local(p)
+             for module in held_modules(run) for name, p in module.named_parameters()}
+    optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO keeps its shard inside
+    for index, values in optimizer.state_dict()["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                state[f"optim/{index}/{key}"] = local(value)
+    return state
+
+
+@pytest.fixture(scope="module")
+def matrix_results(tmp_path_factory):
+    """world size → {combination: {(attempt, rank): record}}, each world size launched once."""
+    cache: dict[int, dict] = {}
+
+    def results(world_size: int) -> dict:
+        if world_size not in cache:
+            cache[world_size] = launch_cells(world_size, tmp_path_factory)
+        return cache[world_size]
+
+    return results
+
+
+def launch_cells(world_size: int, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp(f"world{world_size}")
+    jobs = {}
+    for name, row in RUNS.items():
+        job = make_job(cell_overrides(row), root / name)
+        if job["launch"]["world_size"] == world_size:
+            jobs[name] = job
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id="matrix",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=1,
+                          start_method="forkserver", monitor_interval=0.1)
+    with environment(WORKER_ENV):
+        elastic_launch(config, run_cells)(jobs, str(root), 120)
+    return {
+        name: {(attempt, rank): torch.load(root / f"{name}.attempt{attempt}.rank{rank}.pt",
+                                           weights_only=True)
+               for attempt in (0, 1) for rank in range(world_size)}
+        for name in jobs
+    }
+
+
+def world_size_of(name: str, tmp_path_factory) -> int:
+    job = make_job(cell_overrides(RUNS[name]), tmp_path_factory.mktemp("compose"))
+    return job["launch"]["world_size"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", RUNS)
+def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path_factory):
+    world_size = world_size_of(name, tmp_path_factory)
+    records = matrix_results(world_size)[name]
+    balance = RUNS[name]["balance"]
+    deterministic = balance.declares("deterministic")
+    for rank in range(world_size):
+        first, resumed = records[0, rank], records[1, rank]
+        assert first["error"] is None, first["error"]
+        assert resumed["error"] is None, resumed["error"]
+        # Uninterrupted run: replicas in step, loss finite and falling, predictions agree.
+        assert first["diverged"] == [] and resumed["diverged"] == []
+        losses = [first["losses"][step] for step in range(1, STEPS + 1)]
+        assert all(math.isfinite(loss) for loss in losses), losses
+        assert sum(losses[-3:]) < sum(losses[:3]), losses
+        assert first["probe_agrees"] and resumed["probe_agrees"]
+        # Killed after the checkpoint at step 6, restarted: it redoes 7..10 exactly.
+        assert resumed["start"] == CHECKPOINT_AT
+        redone = range(CHECKPOINT_AT + 1, STEPS + 1)
+        again = [resumed["losses"][step] for step in redone]
+        before = [first["losses"][step] for step in redone]
+        assert first["state"].keys() == resumed["state"].keys()
+        if deterministic:
+            assert again == before
+            assert resumed["eval"] == first["eval"]
+            for key, value in first["state"].items():
+                assert torch.equal(resumed["state"][key], value), key
+        else:
+            assert again == pytest.approx(before, abs=LOSS_BOUND)
+            for key, value in first["state"].items():
+                if key.startswith("param/"):
+                    torch.testing.assert_close(resumed["state"][key], value, rtol=0,
+                                               atol=PARAM_BOUND, msg=key)
