@@ -15,6 +15,7 @@ the stated bound.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import hashlib
@@ -53,9 +54,9 @@ SHORT = {
     "balance=thermal": ["balance.warmup_steps=3", "balance.rebalance_every=2"],
 }
 # Where the split follows measured step times, a resumed run may split differently and sum in
-# another order: its losses must stay within this of the uninterrupted run's (AdamW turns
-# float noise into lr-sized steps, so parameters are held to a few lr-sized steps).
-LOSS_BOUND, PARAM_BOUND = 1e-3, 4 * 2e-3 * (STEPS - CHECKPOINT_AT)
+# another order. The update is still the global batch's, but AdamW turns float noise into
+# steps of up to about lr: parameters are held to two such steps per redone step.
+PARAM_BOUND = 2 * 2e-3 * (STEPS - CHECKPOINT_AT)
 
 OPTIONS = axis_options()
 RUNS = {"-".join(row[axis].name.partition("=")[2] for axis in AXES): row
@@ -112,13 +113,18 @@ def run_cells(jobs: dict[str, dict], results: str, timeout_s: int) -> None:
     resumes from its checkpoint in a fresh process."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     rt = init_runtime(results, timeout_s)
+    failed = None
     try:
         for name, job in jobs.items():
             own = dataclasses.replace(rt, output_dir=Path(job["output_dir"]))
-            try:
-                record = train_cell(job, own)
-            except Exception as e:  # recorded, so the other combinations still run
-                record = {"error": f"{type(e).__name__}: {e}"}
+            if failed:  # the group may be broken: don't wait out a timeout per combination
+                record = {"error": f"not run: {failed} failed before it on this rank"}
+            else:
+                try:
+                    record = train_cell(job, own)
+                except Exception as e:  # recorded; the test of that combination reports it
+                    record = {"error": f"{type(e).__name__}: {e}"}
+                    failed = name
             torch.save(record, Path(results) / f"{name}.attempt{attempt}.rank{rt.rank}.pt")
             gc.collect()
     finally:
@@ -132,14 +138,19 @@ def train_cell(job: dict, rt) -> dict:
     run = Run.build(job, rt, None)
     losses: dict[int, float] = {}
     diverged: list[int] = []
+    # The stateful parts as restored (resumed run) or as saved at the checkpoint (first run).
+    parts = stateful_parts(run) if run.start_step else None
     step_once = run.train_step
 
     def checked_step() -> torch.Tensor:
+        nonlocal parts
         loss = step_once()
         step = run.start_step + len(losses) + 1
         losses[step] = float(loss)
         if not replicas_agree(run):
             diverged.append(step)
+        if step == CHECKPOINT_AT:
+            parts = stateful_parts(run)
         return loss
 
     run.train_step = checked_step
@@ -149,9 +160,17 @@ def train_cell(job: dict, rt) -> dict:
             "error": None, "start": run.start_step, "losses": losses, "diverged": diverged,
             "eval": {k: v for k, v in summary.items() if k.startswith("eval/")},
             "probe_agrees": predictions_agree(run, job), "state": held_state(run),
+            "parts": parts,
         }
     finally:
         run.close()
+
+
+def stateful_parts(run: Run) -> dict:
+    """What the precision, compression and balance keep from step to step, as a copy."""
+    parts = {name: getattr(run, name).state_dict()
+             for name in ("precision", "compression", "balance")}
+    return copy.deepcopy(parts)
 
 
 def held_modules(run: Run) -> list[torch.nn.Module]:
@@ -267,8 +286,10 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
         assert all(math.isfinite(loss) for loss in losses), losses
         assert sum(losses[-3:]) < sum(losses[:3]), losses
         assert first["probe_agrees"] and resumed["probe_agrees"]
-        # Killed after the checkpoint at step 6, restarted: it redoes 7..10 exactly.
+        # Killed after the checkpoint at step 6, restarted: every stateful part comes back as
+        # it was saved, and the run redoes steps 7..10 exactly.
         assert resumed["start"] == CHECKPOINT_AT
+        assert_same_tree(resumed["parts"], first["parts"])
         redone = range(CHECKPOINT_AT + 1, STEPS + 1)
         again = [resumed["losses"][step] for step in redone]
         before = [first["losses"][step] for step in redone]
@@ -278,9 +299,26 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
             assert resumed["eval"] == first["eval"]
             for key, value in first["state"].items():
                 assert torch.equal(resumed["state"][key], value), key
-        else:
-            assert again == pytest.approx(before, abs=LOSS_BOUND)
+        else:  # the split after the checkpoint follows the resumed run's own timings
             for key, value in first["state"].items():
                 if key.startswith("param/"):
                     torch.testing.assert_close(resumed["state"][key], value, rtol=0,
                                                atol=PARAM_BOUND, msg=key)
+
+
+def assert_same_tree(actual, expected, path: str = "") -> None:
+    """Nested dicts/lists of tensors and numbers, equal bitwise (NaN equal to NaN)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), path
+        for key in expected:
+            assert_same_tree(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_tree(a, e, f"{path}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected) or (
+            actual.shape == expected.shape and actual.isnan().equal(expected.isnan())
+            and torch.equal(actual.nan_to_num(), expected.nan_to_num())), path
+    else:
+        assert actual == expected or (actual != actual and expected != expected), path

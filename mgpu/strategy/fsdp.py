@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgpu.parallel import apply_checkpointing, check_checkpointing
 from mgpu.runtime import Runtime
@@ -54,7 +56,12 @@ class FSDP(Strategy):
 def shard_model(
     model: nn.Module, mesh: DeviceMesh, fsdp: FSDP, precision: object, rt: Runtime
 ) -> nn.Module:
-    """fully_shard each block, then the root (embedding, head and the rest) over `mesh`."""
+    """fully_shard each block, then the root (embedding, head and the rest) over `mesh`.
+
+    Batch norms are sharded first, as units of their own that keep fp32 parameters: their
+    running statistics are fp32 buffers, which a bf16/fp16 `param_dtype` would leave beside
+    low-precision weights that batch_norm refuses. Autocast still runs the convolutions around
+    them in the low precision."""
     options = {
         "mesh": mesh,
         "reshard_after_forward": fsdp.reshard_after_forward,
@@ -65,6 +72,9 @@ def shard_model(
     if fsdp.cpu_offload:
         # Pinned host memory needs CUDA; without it the default pin_memory=True fails.
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=precision.reduce_dtype)
+    for norm in (m for m in model.modules() if isinstance(m, _BatchNorm)):
+        fully_shard(norm, **{**options, "mp_policy": fp32})
     for block in model.blocks():
         fully_shard(block, **options)
     return fully_shard(model, **options)
