@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
 )
 
 from mgpu.errors import ConfigError
+from mgpu.precision.padding import unpad_state_dict
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -187,12 +188,19 @@ class Pipeline:
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's full weights gathered over the pipeline; keys as in the whole model."""
+        """Every stage's full weights gathered over the pipeline, at the model's own sizes; keys
+        as in the whole model.
+
+        Padding is cut per stage: a stage's module paths are the whole model's names, while the
+        list that holds the stages prefixes them with its index.
+        """
         options = StateDictOptions(full_state_dict=True)
         mine = {
             name: value.cpu()
             for module in self.modules
-            for name, value in get_model_state_dict(module, options=options).items()
+            for name, value in unpad_state_dict(
+                get_model_state_dict(module, options=options), module
+            ).items()
         }
         parts: list[dict | None] = [None] * self.size
         dist.all_gather_object(parts, mine, group=self.group)

@@ -29,7 +29,6 @@ from mgpu.data.loader import eval_batches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.precision import Precision
-from mgpu.precision.padding import unpad_state_dict
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
 from mgpu.tracking import MetricLogger
@@ -208,10 +207,10 @@ class Run:
     def save_weights(self) -> None:
         """Full (unsharded) weights in `model.pt`, written by rank 0; every rank must call it.
 
-        At the model's own sizes: tensor-core padding is how this run stored them, not part of
-        the model.
+        At the model's own sizes, as the strategy gathers them: tensor-core padding is how this
+        run stored them, not part of the model.
         """
-        state = unpad_state_dict(self.strategy.full_state_dict(self.model), self.model)
+        state = self.strategy.full_state_dict(self.model)
         if self.rt.is_main:
             torch.save(state, self.rt.output_dir / "model.pt")
 

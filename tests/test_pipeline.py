@@ -105,3 +105,19 @@ def test_pipeline_eval_under_bf16_is_one_process_eval_of_its_weights(tmp_path):
     )
     assert summary["eval/accuracy"] == alone["eval/accuracy"]
     assert summary["eval/loss"] == pytest.approx(alone["eval/loss"], rel=1e-9)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "strategy",
+    [["strategy=pp"], ["strategy=hybrid", "strategy.pp=2"]],
+    ids=["pp", "hybrid-pp"],
+)
+def test_pipeline_saves_padded_weights_at_the_model_sizes(tmp_path, strategy):
+    """The GPT head's 10 outputs are stored padded to 16; model.pt holds the real sizes and
+    loads into the unpadded model, which computes what the trained model did."""
+    summary, alone = launch_and_evaluate_alone(
+        [*SHORT, *strategy, "precision.pad_to_multiple_of=8"], tmp_path, bf16=False
+    )
+    assert summary["eval/accuracy"] == alone["eval/accuracy"]
+    assert summary["eval/loss"] == pytest.approx(alone["eval/loss"], rel=1e-5)
