@@ -25,7 +25,7 @@ from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
 from mgpu.compression import Compression
-from mgpu.data.loader import eval_batches
+from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.precision import Precision
@@ -48,7 +48,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    val_loader: torch.utils.data.DataLoader
+    val_loader: EvalBatches
     tracker: MetricLogger | None
     monitor: Monitor
     checkpointer: Checkpointer
@@ -94,7 +94,7 @@ class Run:
             optimizer=optimizer,
             scheduler=scheduler,
             batches=balance.batches(train_set),
-            val_loader=eval_batches(val_set, job["eval"]["batch_size"], data_rt),
+            val_loader=EvalBatches(val_set, job["eval"]["batch_size"], data_rt),
             tracker=tracker,
             monitor=monitor,
             checkpointer=Checkpointer(job, rt, run_id),
@@ -183,16 +183,21 @@ class Run:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices."""
+        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices.
+
+        Samples labelled IGNORED_LABEL only keep a rank's forward passes in step with its peers'.
+        """
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         for inputs, labels in self.val_loader:
             inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
             with self.precision.autocast(self.rt.device):
                 logits = self.strategy.predict(self.model, inputs)
-            totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+            totals[0] += F.cross_entropy(
+                logits.float(), labels, ignore_index=IGNORED_LABEL, reduction="sum"
+            )
             totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += labels.numel()
+            totals[2] += (labels != IGNORED_LABEL).sum()
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.model.train()
