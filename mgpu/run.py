@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,6 +35,13 @@ from mgpu.strategy import Strategy
 from mgpu.tracking import MetricLogger
 
 log = logging.getLogger("mgpu.run")
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """The seed of data-parallel replica `replica` in a run seeded `seed`: each (seed, replica)
+    pair its own stream, where seed + replica would give seed 1's replica 0 the masks of seed
+    0's replica 1."""
+    return int(np.random.SeedSequence([seed, replica]).generate_state(1)[0])
 
 
 @dataclass
@@ -70,6 +78,9 @@ class Run:
         model = strategy.wrap(model, rt, instantiate(job["network"]), precision)
         precision.attach(model, rt.device)
         data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
+        # From here on each replica draws its own dropout masks; ranks that share a replica (its
+        # tp and pp peers) keep drawing alike, as their replicated activations need.
+        torch.manual_seed(replica_seed(job["seed"], data_rt.rank))
         compression = instantiate(job["compression"])
         balance = instantiate(job["balance"])
         local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
