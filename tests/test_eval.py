@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
-from mgpu.runtime import Runtime
+from tests.test_balance import cpu_runtime
 from tests.test_ddp import SGD
 from tests.test_pipeline import launch_and_evaluate_alone
 
@@ -20,19 +20,15 @@ def numbered(size: int) -> TensorDataset:
     return TensorDataset(torch.arange(size).float().unsqueeze(1), torch.arange(size))
 
 
-def ranks(world_size: int) -> list[Runtime]:
-    return [Runtime(r, r, world_size, world_size, torch.device("cpu"), None)
-            for r in range(world_size)]
-
-
 @pytest.mark.parametrize(
     ("size", "world_size", "batch_size"),
     [(9, 2, 4), (819, 2, 409), (13, 4, 3), (3, 4, 2), (8, 2, 4)],
 )
 def test_every_rank_runs_as_many_batches_and_each_sample_counts_once(
-    size, world_size, batch_size
+    size, world_size, batch_size, tmp_path
 ):
-    shares = [list(EvalBatches(numbered(size), batch_size, rt)) for rt in ranks(world_size)]
+    shares = [list(EvalBatches(numbered(size), batch_size, cpu_runtime(r, world_size, tmp_path)))
+              for r in range(world_size)]
     assert len({len(share) for share in shares}) == 1
     assert all(0 < len(labels) <= batch_size for share in shares for _, labels in share)
     scored = torch.cat([labels for share in shares for _, labels in share])
