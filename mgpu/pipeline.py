@@ -157,8 +157,8 @@ class Pipeline:
     def send(self, tensor: torch.Tensor, to: int) -> None:
         """`tensor` to pipeline rank `to`, after its dtype and shape, so that `receive` allocates
         exactly what arrives."""
-        header = [ACTIVATION_DTYPES.index(tensor.dtype), tensor.dim()]
-        header = torch.tensor(header, dtype=torch.long, device=self.device)
+        dtype_index = ACTIVATION_DTYPES.index(tensor.dtype)
+        header = torch.tensor([dtype_index, tensor.dim()], dtype=torch.long, device=self.device)
         dist.send(header, group=self.group, group_dst=to)
         shape = torch.tensor(tensor.shape, dtype=torch.long, device=self.device)
         dist.send(shape, group=self.group, group_dst=to)
