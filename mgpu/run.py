@@ -40,8 +40,8 @@ log = logging.getLogger("mgpu.run")
 def replica_seed(seed: int, replica: int) -> int:
     """The seed of data-parallel replica `replica` in a run seeded `seed`: each (seed, replica)
     pair its own stream, where seed + replica would give seed 1's replica 0 the masks of seed
-    0's replica 1."""
-    return int(np.random.SeedSequence([seed, replica]).generate_state(1)[0])
+    0's replica 1. A negative seed counts modulo 2**64, as torch.manual_seed reads it."""
+    return int(np.random.SeedSequence([seed % 2**64, replica]).generate_state(1)[0])
 
 
 @dataclass
