@@ -20,12 +20,16 @@ from torch.distributed.pipelining import (
 )
 
 from mgpu.errors import ConfigError
+from mgpu.precision.padding import unpad_state_dict
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
+# The dtypes a stage may hand the next one (fp32, or what autocast computes in), sent as their
+# index here ahead of the tensor.
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -120,7 +124,13 @@ class Pipeline:
         return loss
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Logits for a whole batch, passed stage to stage (any batch size, no micro-batches)."""
+        """Logits for a whole batch, passed stage to stage (any batch size, no micro-batches).
+
+        Every rank returns the last stage's logits, as contiguous float32: the one dtype every
+        rank can allocate for them without knowing what autocast made of the head (gloo fills a
+        larger buffer with a shorter message without complaint, and sends a strided tensor's
+        storage as it lies).
+        """
         hidden = inputs
         for module, s in zip(self.modules, self.stage_ids, strict=True):
             if s > 0:
@@ -128,23 +138,33 @@ class Pipeline:
             hidden = module(hidden)
             if s < self.num_stages - 1:
                 self.send(hidden, (s + 1) % self.size)
-        if self.rank != self.size - 1:
-            hidden = torch.empty(inputs.shape[0], self.num_classes, device=self.device)
-        dist.broadcast(hidden, src=self.last_rank, group=self.group)
-        return hidden
+        if self.rank == self.size - 1:
+            logits = hidden.float().contiguous()  # a padded head's output is a strided slice
+        else:
+            logits = torch.empty(inputs.shape[0], self.num_classes, device=self.device)
+        dist.broadcast(logits, src=self.last_rank, group=self.group)
+        return logits
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
+        """`tensor` to pipeline rank `to`, after its dtype and shape, so that `receive` allocates
+        exactly what arrives."""
+        dtype_index = ACTIVATION_DTYPES.index(tensor.dtype)
+        header = torch.tensor([dtype_index, tensor.dim()], dtype=torch.long, device=self.device)
+        dist.send(header, group=self.group, group_dst=to)
         shape = torch.tensor(tensor.shape, dtype=torch.long, device=self.device)
-        dist.send(torch.tensor([shape.numel()], device=self.device), group=self.group, group_dst=to)
         dist.send(shape, group=self.group, group_dst=to)
         dist.send(tensor.contiguous(), group=self.group, group_dst=to)
 
     def receive(self, source: int) -> torch.Tensor:
-        dims = torch.empty(1, dtype=torch.long, device=self.device)
-        dist.recv(dims, group=self.group, group_src=source)
-        shape = torch.empty(int(dims), dtype=torch.long, device=self.device)
+        """The tensor `send` sent from pipeline rank `source`, in its own dtype and shape."""
+        header = torch.empty(2, dtype=torch.long, device=self.device)
+        dist.recv(header, group=self.group, group_src=source)
+        dtype_index, dims = header.tolist()
+        shape = torch.empty(dims, dtype=torch.long, device=self.device)
         dist.recv(shape, group=self.group, group_src=source)
-        tensor = torch.empty(shape.tolist(), device=self.device)
+        tensor = torch.empty(
+            shape.tolist(), dtype=ACTIVATION_DTYPES[dtype_index], device=self.device
+        )
         dist.recv(tensor, group=self.group, group_src=source)
         return tensor
 
@@ -159,12 +179,19 @@ class Pipeline:
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's full weights gathered over the pipeline; keys as in the whole model."""
+        """Every stage's full weights gathered over the pipeline, at the model's own sizes; keys
+        as in the whole model.
+
+        Padding is cut per stage: a stage's module paths are the whole model's names, while the
+        list that holds the stages prefixes them with its index.
+        """
         options = StateDictOptions(full_state_dict=True)
         mine = {
             name: value.cpu()
             for module in self.modules
-            for name, value in get_model_state_dict(module, options=options).items()
+            for name, value in unpad_state_dict(
+                get_model_state_dict(module, options=options), module
+            ).items()
         }
         parts: list[dict | None] = [None] * self.size
         dist.all_gather_object(parts, mine, group=self.group)

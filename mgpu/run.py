@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,16 +26,22 @@ from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
 from mgpu.compression import Compression
-from mgpu.data.loader import eval_batches
+from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.precision import Precision
-from mgpu.precision.padding import unpad_state_dict
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
 from mgpu.tracking import MetricLogger
 
 log = logging.getLogger("mgpu.run")
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """The seed of data-parallel replica `replica` in a run seeded `seed`: each (seed, replica)
+    pair its own stream, where seed + replica would give seed 1's replica 0 the masks of seed
+    0's replica 1. A negative seed counts modulo 2**64, as torch.manual_seed reads it."""
+    return int(np.random.SeedSequence([seed % 2**64, replica]).generate_state(1)[0])
 
 
 @dataclass
@@ -49,7 +56,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    val_loader: torch.utils.data.DataLoader
+    val_loader: EvalBatches
     tracker: MetricLogger | None
     monitor: Monitor
     checkpointer: Checkpointer
@@ -71,6 +78,9 @@ class Run:
         model = strategy.wrap(model, rt, instantiate(job["network"]), precision)
         precision.attach(model, rt.device)
         data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
+        # From here on each replica draws its own dropout masks; ranks that share a replica (its
+        # tp and pp peers) keep drawing alike, as their replicated activations need.
+        torch.manual_seed(replica_seed(job["seed"], data_rt.rank))
         compression = instantiate(job["compression"])
         balance = instantiate(job["balance"])
         local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
@@ -95,7 +105,7 @@ class Run:
             optimizer=optimizer,
             scheduler=scheduler,
             batches=balance.batches(train_set),
-            val_loader=eval_batches(val_set, job["eval"]["batch_size"], data_rt),
+            val_loader=EvalBatches(val_set, job["eval"]["batch_size"], data_rt),
             tracker=tracker,
             monitor=monitor,
             checkpointer=Checkpointer(job, rt, run_id),
@@ -184,16 +194,21 @@ class Run:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices."""
+        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices.
+
+        Samples labelled IGNORED_LABEL only keep a rank's forward passes in step with its peers'.
+        """
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         for inputs, labels in self.val_loader:
             inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
             with self.precision.autocast(self.rt.device):
                 logits = self.strategy.predict(self.model, inputs)
-            totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+            totals[0] += F.cross_entropy(
+                logits.float(), labels, ignore_index=IGNORED_LABEL, reduction="sum"
+            )
             totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += labels.numel()
+            totals[2] += (labels != IGNORED_LABEL).sum()
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.model.train()
@@ -208,10 +223,10 @@ class Run:
     def save_weights(self) -> None:
         """Full (unsharded) weights in `model.pt`, written by rank 0; every rank must call it.
 
-        At the model's own sizes: tensor-core padding is how this run stored them, not part of
-        the model.
+        At the model's own sizes, as the strategy gathers them: tensor-core padding is how this
+        run stored them, not part of the model.
         """
-        state = unpad_state_dict(self.strategy.full_state_dict(self.model), self.model)
+        state = self.strategy.full_state_dict(self.model)
         if self.rt.is_main:
             torch.save(state, self.rt.output_dir / "model.pt")
 

@@ -64,6 +64,20 @@ def limit_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // local_world_size))
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The backend for every tensor a collective may hold: gloo for CPU tensors, and on CUDA
+    nccl for CUDA tensors beside it.
+
+    Small figures (memory, timings, pickled objects) travel as CPU tensors on every device; a
+    group with nccl alone has no backend for them. `init_process_group` gets no `device_id`:
+    with a bound device, a DeviceMesh of more than one dim makes its sub-groups by
+    `split_group`, which in torch 2.6 and several releases after fails for any backend but
+    plain "nccl" (pytorch issue #159200); unbound, it makes them by `new_group`, which
+    inherits both backends, and nccl connects on first use on the device `pick_device` set.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_runtime(output_dir: str, timeout_s: int) -> Runtime:
     """Join the process group that the launcher (elastic agent or torchrun) describes in env."""
     rank = int(os.environ.get("RANK", 0))
@@ -75,9 +89,7 @@ def init_runtime(output_dir: str, timeout_s: int) -> Runtime:
     device = pick_device(local_rank)
     if world_size > 1 or "MASTER_ADDR" in os.environ:
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            backend=process_group_backend(device), timeout=timedelta(seconds=timeout_s)
         )
     return Runtime(rank, local_rank, world_size, local_world_size, device, Path(output_dir))
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from mgpu.data.sampler import GlobalOrderSampler
 from mgpu.runtime import Runtime
@@ -51,7 +53,35 @@ class TrainBatches:
         self.iterator = iter(self.loader)  # nothing of the old position is left in flight
 
 
-def eval_batches(dataset: Dataset, batch_size: int, rt: Runtime) -> DataLoader:
-    """This rank's slice of the held-out set: every sample on exactly one rank, none padded."""
-    shard = Subset(dataset, range(rt.rank, len(dataset), rt.world_size))
-    return DataLoader(shard, batch_size=batch_size, pin_memory=rt.device.type == "cuda")
+# A label no prediction equals and F.cross_entropy leaves out (its default ignore_index).
+IGNORED_LABEL = -100
+
+
+class EvalBatches:
+    """This rank's slice of the held-out set, in as many batches as every other rank's.
+
+    Sharded strategies gather parameters inside every forward pass, so all ranks must run the
+    same number of them. Ranks take every `world_size`-th sample, so rank 0's slice is the
+    longest; a rank whose slice runs out earlier fills each missing batch with one sample
+    labelled IGNORED_LABEL, which counts nowhere. Every real sample is on exactly one rank.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, rt: Runtime) -> None:
+        self.dataset = dataset
+        shard = Subset(dataset, range(rt.rank, len(dataset), rt.world_size))
+        self.loader = DataLoader(shard, batch_size=batch_size, pin_memory=rt.device.type == "cuda")
+        longest_shard = -(-len(dataset) // rt.world_size)
+        self.num_batches = -(-longest_shard // batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from self.loader
+        for _ in range(self.num_batches - len(self.loader)):
+            yield self.filler()
+
+    def filler(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of one sample that counts nowhere: its label is IGNORED_LABEL."""
+        inputs, labels = default_collate([self.dataset[0]])
+        return inputs, torch.full_like(labels, IGNORED_LABEL)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mgpu.parallel import memory_metrics
+from mgpu.precision.padding import unpad_state_dict
 from mgpu.runtime import Runtime
 
 
@@ -87,9 +88,10 @@ class Strategy(Protocol):
         return memory_metrics(model.parameters(), optimizer)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's weights on CPU, complete on rank 0; every rank must call it."""
+        """The whole model's weights on CPU at the model's own sizes (tensor-core padding cut
+        off), complete on rank 0; every rank must call it."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
+        return unpad_state_dict(get_model_state_dict(model, options=options), model)
 
 
 def with_rank(rt: Runtime, rank: int, world_size: int) -> Runtime:

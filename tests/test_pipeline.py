@@ -1,0 +1,123 @@
+"""Pipelines outside the training step: what crosses a stage boundary keeps its dtype, every rank
+evaluates with the last stage's logits, and the saved weights are the model's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from mgpu.launch import WORKER_ENV, environment
+from mgpu.model.gpt import GPT
+from mgpu.pipeline import Pipeline
+from mgpu.runtime import init_runtime, shutdown
+from tests.conftest import launch_job, make_job
+from tests.test_strategies import GPT as NARROW_GPT
+
+pytestmark = pytest.mark.timeout(600)
+# A few steps suffice: these tests check evaluation and export, not training.
+SHORT = [*NARROW_GPT, "train.steps=10", "train.log_every=5"]
+
+
+def narrow_gpt() -> GPT:
+    """The model NARROW_GPT configures, built the same way on every rank (seed 0)."""
+    torch.manual_seed(0)
+    return GPT((1, 8, 8), 10, dim=32, mlp_ratio=2)
+
+
+def inputs_and_activation() -> tuple[torch.Tensor, torch.Tensor]:
+    """Images to predict and a bf16 activation to send, the same on every rank."""
+    gen = torch.Generator().manual_seed(1)
+    images = torch.rand(6, 1, 8, 8, generator=gen)
+    return images, torch.randn(3, 4, 5, generator=gen).to(torch.bfloat16)
+
+
+def exchange_on_two_stages(output_dir: str) -> dict[str, torch.Tensor | None]:
+    """On each of 2 ranks: a 2-stage pipeline predicts under bf16 autocast, then rank 0 sends a
+    bf16 activation to rank 1."""
+    rt = init_runtime(output_dir, 60)
+    try:
+        pipe = Pipeline(narrow_gpt(), dist.group.WORLD, rt.device, "gpipe", 2, lambda s: s)
+        images, activation = inputs_and_activation()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = pipe.predict(images)
+        received = None
+        if rt.rank == 0:
+            pipe.send(activation, to=1)
+        else:
+            received = pipe.receive(0)
+        return {"logits": logits, "received": received}
+    finally:
+        shutdown()
+
+
+@pytest.mark.dist
+def test_bf16_crosses_stages_intact_and_every_rank_gets_the_last_stage_logits(tmp_path):
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="pipeline",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          start_method="spawn")
+    with environment(WORKER_ENV):
+        results = elastic_launch(config, exchange_on_two_stages)(str(tmp_path))
+    images, activation = inputs_and_activation()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = narrow_gpt()(images).float()
+    received = results[1]["received"]
+    assert received.dtype == torch.bfloat16 and torch.equal(received, activation)
+    for rank in (0, 1):
+        logits = results[rank]["logits"]
+        assert logits.dtype == torch.float32, rank
+        torch.testing.assert_close(logits, whole, rtol=0, atol=0, msg=f"rank {rank}")
+
+
+def evaluate_alone(job: dict, weights: dict[str, torch.Tensor], bf16: bool) -> dict[str, float]:
+    """`weights` loaded strictly into the job's unpadded model, evaluated by one process on the
+    whole held-out set in the run's eval batches."""
+    data = instantiate(job["data"])
+    _, val_set = data.splits(job["seed"])
+    model = instantiate(job["model"], input_shape=data.input_shape, num_classes=data.num_classes)
+    model.load_state_dict(weights, strict=True)
+    model.eval()
+    loss = correct = 0.0
+    batches = torch.utils.data.DataLoader(val_set, batch_size=job["eval"]["batch_size"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for images, labels in batches:
+            logits = model(images)
+            loss += F.cross_entropy(logits.float(), labels, reduction="sum").item()
+            correct += (logits.argmax(dim=1) == labels).sum().item()
+    return {"eval/loss": loss / len(val_set), "eval/accuracy": correct / len(val_set)}
+
+
+def launch_and_evaluate_alone(overrides: list[str], out: Path, bf16: bool) -> tuple[dict, dict]:
+    summary, weights = launch_job(overrides, out)
+    return summary, evaluate_alone(make_job(overrides, out), weights, bf16)
+
+
+@pytest.mark.dist
+def test_pipeline_eval_under_bf16_is_one_process_eval_of_its_weights(tmp_path):
+    """Every rank scores the last stage's logits: the run's eval equals one process's."""
+    summary, alone = launch_and_evaluate_alone(
+        [*SHORT, "strategy=pp", "precision=bf16"], tmp_path, bf16=True
+    )
+    assert summary["eval/accuracy"] == alone["eval/accuracy"]
+    assert summary["eval/loss"] == pytest.approx(alone["eval/loss"], rel=1e-9)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "strategy",
+    [["strategy=pp"], ["strategy=hybrid", "strategy.pp=2"]],
+    ids=["pp", "hybrid-pp"],
+)
+def test_pipeline_saves_padded_weights_at_the_model_sizes(tmp_path, strategy):
+    """The GPT head's 10 outputs are stored padded to 16; model.pt holds the real sizes and
+    loads into the unpadded model, which computes what the trained model did."""
+    summary, alone = launch_and_evaluate_alone(
+        [*SHORT, *strategy, "precision.pad_to_multiple_of=8"], tmp_path, bf16=False
+    )
+    assert summary["eval/accuracy"] == alone["eval/accuracy"]
+    assert summary["eval/loss"] == pytest.approx(alone["eval/loss"], rel=1e-5)
