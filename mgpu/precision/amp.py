@@ -1,9 +1,16 @@
-"""float16 autocast with dynamic loss scaling (torch.amp.GradScaler).
+"""float16 autocast with dynamic loss scaling.
 
 fp16 has a narrow exponent range: small gradients underflow to zero. The loss is multiplied by
 a scale before backward and the gradients divided by it before the step. A step with inf/NaN
 gradients is skipped and the scale multiplied by `backoff_factor`; after `growth_interval`
 clean steps in a row it is multiplied by `growth_factor`.
+
+This is torch.amp.GradScaler's algorithm on the same fused kernels, kept here rather than in a
+GradScaler: GradScaler unscales all gradients of one dtype in one fused call, which refuses a
+mix of plain tensors and DTensors, and that mix is what a tensor-parallel model's gradients are
+(split weights beside replicated norms and embeddings). Here every gradient is unscaled as the
+shard this rank holds, by the same non-finite check the other precisions use, so one scaler
+serves every strategy.
 """
 
 from __future__ import annotations
@@ -13,11 +20,11 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from mgpu.errors import ConfigError
-from mgpu.precision.common import PrecisionBase, loss_seed
+from mgpu.precision.common import PrecisionBase, loss_seed, nonfinite_grads
 
 
 class AMP(PrecisionBase):
@@ -49,58 +56,59 @@ class AMP(PrecisionBase):
             )
         if not torch.cuda.is_available():
             check_cpu_support()
-        self.scaler_args = dict(
-            init_scale=init_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-        )
-        self.scaler: torch.amp.GradScaler | None = None
-        self.scale = init_scale  # after the last update; a drop means the step was skipped
+        self.init_scale, self.growth_factor = init_scale, growth_factor
+        self.backoff_factor, self.growth_interval = backoff_factor, growth_interval
+        self.scale = torch.full((), init_scale)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)  # clean steps in a row
 
     def attach(self, model: nn.Module, device: torch.device) -> None:
         super().attach(model, device)
-        if self.sync_flag:
-            # Ranks hold different gradients: this scaler all-reduces its inf flag.
-            self.scaler = ShardedGradScaler(device.type, **self.scaler_args)
-        else:
-            self.scaler = torch.amp.GradScaler(device.type, **self.scaler_args)
+        self.scale = self.scale.to(device)
+        self.growth_tracker = self.growth_tracker.to(device)
 
     def autocast(self, device: torch.device) -> AbstractContextManager:
         return torch.autocast(device.type, dtype=torch.float16)
 
     def backward(self, loss: torch.Tensor) -> None:
-        scaled = self.scaler.scale(loss)
+        scaled = loss.float() * self.scale
         scaled.backward(loss_seed(scaled))
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        self.scaler.step(optimizer)  # unscales, and skips the step on inf/NaN gradients
-        self.scaler.update()
-        scale = self.scaler.get_scale()
-        skipped = scale < self.scale
-        self.scale = scale
+        """Unscale, skip the step if any gradient is not finite, then update the scale."""
+        found = nonfinite_grads(optimizer, self.device, self.scale.double().reciprocal().float())
+        if self.sync_flag:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        skipped = bool(found.item())
+        if not skipped:
+            optimizer.step()
+        torch._amp_update_scale_(
+            self.scale, self.growth_tracker, found, self.growth_factor, self.backoff_factor,
+            self.growth_interval,
+        )
         self.count(skipped)
         return not skipped
 
     def loss_scale(self) -> float:
-        return self.scale
+        return self.scale.item()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "scaler": self.scaler.state_dict()}
+        return {**super().state_dict(), "scale": self.scale.item(),
+                "growth_tracker": int(self.growth_tracker.item())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.scaler.load_state_dict(state["scaler"])
-        self.scale = self.scaler.get_scale()
+        self.scale.fill_(state["scale"])
+        self.growth_tracker.fill_(state["growth_tracker"])
 
 
 def check_cpu_support() -> None:
-    """Workers will run on CPU: the installed torch needs CPU fp16 autocast and GradScaler."""
+    """Workers will run on CPU: the installed torch needs CPU fp16 autocast."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # older torch warns and disables CPU fp16 autocast
             torch.autocast("cpu", dtype=torch.float16)
-            torch.amp.GradScaler("cpu")
     except (AttributeError, RuntimeError, UserWarning) as e:
         raise ConfigError(
-            f"precision=amp: this torch ({torch.__version__}) has no CPU fp16 autocast or "
-            f"GradScaler ({str(e).splitlines()[0]}); use precision=bf16 on CPU"
+            f"precision=amp: this torch ({torch.__version__}) has no CPU fp16 autocast "
+            f"({str(e).splitlines()[0]}); use precision=bf16 on CPU"
         ) from None

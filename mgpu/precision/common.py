@@ -41,25 +41,28 @@ def loss_seed(loss: torch.Tensor) -> torch.Tensor:
     return (value - value).exp_()
 
 
-def nonfinite_grads(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
-    """1.0 if any gradient holds inf/NaN, else 0.0, as a tensor on `device` (no host sync).
+def nonfinite_grads(
+    optimizer: torch.optim.Optimizer, device: torch.device, inv_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """1.0 if any gradient holds inf/NaN, else 0.0, as a tensor on `device` (no host sync);
+    with `inv_scale`, every gradient is also multiplied by it (a loss scale taken back out).
 
-    Uses the fused check GradScaler itself uses, with a scale of 1 (gradients are unchanged).
+    Uses the fused check GradScaler itself uses, on the part of each gradient this rank holds
+    (a DTensor's local shard: sharded strategies all-reduce the flag).
     """
     found = torch.zeros(1, device=device)
     by_device_dtype: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
-            if isinstance(grad, DTensor):  # fsdp/tp shards: this rank's part (flags all-reduced)
+            if isinstance(grad, DTensor):
                 grad = grad.to_local()
             if grad is not None:
                 by_device_dtype[grad.device, grad.dtype].append(grad)
     for (grad_device, _), grads in by_device_dtype.items():
         flag = found if grad_device == found.device else torch.zeros_like(found, device=grad_device)
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            grads, flag, torch.ones(1, device=grad_device)
-        )
+        scale = inv_scale if inv_scale is not None else torch.ones((), device=grad_device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale.to(grad_device))
         if flag is not found:
             found += flag.to(found.device)
     return found
