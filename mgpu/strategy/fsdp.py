@@ -77,7 +77,27 @@ def shard_model(
         fully_shard(norm, **{**options, "mp_policy": fp32})
     for block in model.blocks():
         fully_shard(block, **options)
-    return fully_shard(model, **options)
+    model = fully_shard(model, **options)
+    follow_first_rank_buffers(model, mesh)
+    return model
+
+
+def follow_first_rank_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Before every forward, the model's buffers (batch norms' running statistics) become those
+    of the mesh's first rank, as DDP's `broadcast_buffers` does. FSDP shards parameters but
+    leaves buffers to each rank, which would update them from its own batches only: ranks
+    would then evaluate, and save, different models."""
+    buffers = list(model.buffers())
+    if not buffers or mesh.size() == 1:
+        return
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+    def broadcast(module: nn.Module, args: object) -> None:
+        for group in groups:  # along each dim from its first rank: all end as rank (0, 0, ...)
+            for buffer in buffers:
+                dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+
+    model.register_forward_pre_hook(broadcast)
 
 
 @contextmanager
