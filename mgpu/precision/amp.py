@@ -79,8 +79,9 @@ class AMP(PrecisionBase):
         self.count(skipped)
         return not skipped
 
-    def loss_scale(self) -> float:
-        return self.scale
+    def metrics(self) -> dict[str, float]:
+        """The skipped steps, and the loss scale after the last update (only amp scales)."""
+        return {**super().metrics(), "amp/loss_scale": self.scale}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "scaler": self.scaler.state_dict()}
