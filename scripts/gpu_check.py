@@ -191,7 +191,7 @@ def nccl_checks(gc: GpuCheck, gpus: int) -> None:
                    "monitor.enabled=true")
         ratio = s["comm/compression_ratio"]
         assert 0.95 * 32 < ratio <= 32, f"compression ratio {ratio} at 2 ranks"
-        return f"ratio {ratio:.1f}, {s['comm/bandwidth_GBps']:.2f} GB/s, loss {finite_loss(s):.3f}"
+        return f"ratio {ratio:.1f}, {s['comm/bandwidth_GBps']:.3g} GB/s, loss {finite_loss(s):.3f}"
 
     def powersgd() -> str:
         s = gc.job("powersgd", *two, "compression=powersgd", "compression.start_powerSGD_iter=2")
