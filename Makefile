@@ -8,7 +8,7 @@ MLFLOW_PORT ?= 5000
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install run sweep test test-fast lint ui bench clean
+.PHONY: help install run sweep test test-fast lint ui bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ ui: install ## serve the MLflow UI for ./mlflow.db on http://127.0.0.1:$(MLFLOW_
 
 bench: install ## benchmarks, side by side in one run; writes bench-report.json
 	$(PY) scripts/bench.py --out bench-report.json $(ARGS)
+
+gpu-check: install ## the CUDA paths in short real runs, as a table (< 5 min; says so without CUDA)
+	$(PY) scripts/gpu_check.py
 
 clean: ## remove outputs, the local MLflow store and caches (keeps .venv)
 	rm -rf outputs multirun mlruns mlflow.db bench-report.json .pytest_cache .ruff_cache

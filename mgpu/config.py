@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 import os
 import typing
 from dataclasses import dataclass, field
@@ -31,13 +32,14 @@ GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
 )
 FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainConf:
     steps: int = 500  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step
-    warmup_steps: int = 20  # steps left out of throughput and step-time figures
+    warmup_steps: int = 20  # steps left out of throughput and step-time figures (<= steps / 2)
     log_every: int = 25  # steps between metric points
 
 
@@ -219,16 +221,27 @@ def check_root(job: dict) -> None:
     _positive("train.grad_accum", train["grad_accum"])
     _positive("train.log_every", train["log_every"])
     _positive("train.warmup_steps", train["warmup_steps"], 0)
-    if train["warmup_steps"] >= train["steps"]:
-        raise ConfigError(
-            f"train.warmup_steps={train['warmup_steps']}: must be < train.steps={train['steps']}"
-        )
+    cap_warmup(train)
     _positive("eval.every_steps", job["eval"]["every_steps"], 0)
     _positive("eval.batch_size", job["eval"]["batch_size"])
     _positive("launch.max_restarts", launch["max_restarts"], 0)
     _positive("launch.timeout_s", launch["timeout_s"])
     if fault["mode"] is not None and fault["mode"] not in FAULT_MODES:
         raise ConfigError(f"fault.mode={fault['mode']}: use null, {' or '.join(FAULT_MODES)}")
+
+
+def cap_warmup(train: dict) -> None:
+    """At most half of a run is warm-up: a short run (`train.steps=10`) still times steps.
+
+    The capped value is the one workers and the run's params get, said in one log line.
+    """
+    cap = train["steps"] // 2
+    if train["warmup_steps"] > cap:
+        log.info(
+            "train.warmup_steps=%d is more than half of train.steps=%d: warm-up capped at %d "
+            "steps, so the rest are timed", train["warmup_steps"], train["steps"], cap,
+        )
+        train["warmup_steps"] = cap
 
 
 def check_monitor(job: dict) -> None:

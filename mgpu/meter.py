@@ -5,59 +5,118 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 
+@dataclass
+class Stall:
+    """Time the loop spent outside training steps (a log point, an evaluation, a checkpoint)."""
+
+    seconds: float = 0.0
+
+
 class StepMeter:
     """Records each step's wall time and loss; turns them into metrics at log points.
 
-    Losses stay on the device until a log point, so recording adds no device synchronisation.
+    Step times run from the end of one step to the end of the next, so everything the loop
+    does per step counts, and on CUDA the device work a step queues is paid for by a later
+    step (the host runs ahead until something waits for the device). Stalls that are not
+    training — log points, evaluation, checkpoints — run inside `stall()`, which first waits
+    for the device (the last step's queued work belongs to that step) and then leaves the
+    stall out of every step figure. Losses stay on the device until a log point, so recording
+    adds no device synchronisation.
     """
 
-    def __init__(self, global_batch: int, warmup_steps: int) -> None:
+    def __init__(self, global_batch: int, warmup_steps: int, device: torch.device) -> None:
         self.global_batch = global_batch
         self.warmup_steps = warmup_steps
+        self.device = device
         self.durations: list[float] = []  # steps after warm-up
-        self.window_losses: list[torch.Tensor] = []
+        self.window_losses: list[torch.Tensor] = []  # per step: this rank's loss x samples
+        self.window_samples = 0  # this rank's samples in those steps
+        self.window_s = 0.0  # every step since the last log point, warm-up included
+        self.window_steps = 0
         self.last = time.perf_counter()
-        self.measured_from: float | None = None
-        self.steps_measured = 0
+        self.last_measured = False  # whether the last recorded step is one of `durations`
 
-    def record(self, step: int, loss: torch.Tensor) -> None:
+    def record(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        """Step `step` ended; `loss_sum` is this rank's loss summed over its `samples` samples."""
         now = time.perf_counter()
-        if step > self.warmup_steps:
-            self.durations.append(now - self.last)
-            self.steps_measured += 1
-            if self.measured_from is None:
-                self.measured_from = self.last
+        self._add(now - self.last, measured=step > self.warmup_steps)
         self.last = now
-        self.window_losses.append(loss)
+        self.window_losses.append(loss_sum)
+        self.window_samples += samples
+
+    def _add(self, seconds: float, measured: bool) -> None:
+        if measured:
+            self.durations.append(seconds)
+        self.window_s += seconds
+        self.window_steps += 1
+        self.last_measured = measured
+
+    @contextmanager
+    def stall(self) -> Iterator[Stall]:
+        """Run a stall outside the step figures; its length is in the yielded `Stall`."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        tail = start - self.last  # the last step's device work still queued, and bookkeeping
+        if self.last_measured:
+            self.durations[-1] += tail
+        self.window_s += tail
+        self.last = start
+        stall = Stall()
+        try:
+            yield stall
+        finally:
+            self.last = time.perf_counter()
+            stall.seconds = self.last - start
 
     def window_loss(self) -> float:
-        """Mean loss over all ranks and the steps since the last call (one small all-reduce)."""
-        total = torch.stack(self.window_losses).sum()
-        count = torch.tensor(float(len(self.window_losses)), device=total.device)
-        pair = torch.stack([total.float(), count])
+        """Mean loss per sample over all ranks and the steps since the last call.
+
+        Each rank's loss is weighted by its samples, so uneven splits give the global-batch
+        mean. Ranks that share one data replica (tensor or pipeline peers) report the same
+        loss and samples; every replica has the same number of them, so they weigh evenly.
+        One small all-reduce.
+        """
+        total = torch.stack(self.window_losses).sum().double()
+        pair = torch.stack([total, total.new_tensor(float(self.window_samples))])
         if dist.is_initialized():
             dist.all_reduce(pair)
         self.window_losses.clear()
-        return (pair[0] / pair[1]).item()
+        self.window_samples = 0
+        total, samples = pair.tolist()
+        return total / samples
+
+    def window_step_s(self) -> float | None:
+        """Mean step time since the last call (warm-up steps included), stalls left out."""
+        mean = self.window_s / self.window_steps if self.window_steps else None
+        self.window_s, self.window_steps = 0.0, 0
+        return mean
 
     def throughput(self) -> dict[str, float]:
-        """Global samples/s and step-time percentiles over the steps after warm-up."""
+        """Global samples/s and step-time percentiles over the steps timed so far."""
         if not self.durations:
             return {}
         p50, p90, p99 = np.percentile(self.durations, [50, 90, 99])
-        elapsed = self.last - self.measured_from
         return {
-            "train/samples_per_s": self.global_batch * self.steps_measured / elapsed,
+            "train/samples_per_s": self.global_batch * len(self.durations) / sum(self.durations),
             "time/step_p50_s": float(p50),
             "time/step_p90_s": float(p90),
             "time/step_p99_s": float(p99),
         }
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA); nothing to wait for on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -4,7 +4,6 @@ schedule: the machinery shared by strategy=pp and the pp dimension of strategy=h
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 
 import torch
@@ -20,6 +19,7 @@ from torch.distributed.pipelining import (
 )
 
 from mgpu.errors import ConfigError
+from mgpu.monitor.timing import clock_for
 from mgpu.precision.padding import unpad_state_dict
 
 SCHEDULES = {
@@ -93,17 +93,21 @@ class Pipeline:
             loss_fn=F.cross_entropy,
         )
         self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
-        self.busy_s = self.step_s = 0.0
+        # Marks (perf_counter on CPU, CUDA events on the current stream on GPU), read at log
+        # points: a stage's compute of each micro-batch, and each whole schedule step.
+        self.clock = clock_for(device)
+        self.busy: list[tuple] = []
+        self.steps: list[tuple] = []
 
     def timed(self, compute: Callable) -> Callable:
-        """`compute` (a stage's forward or backward of one micro-batch), adding to busy time."""
+        """`compute` (a stage's forward or backward of one micro-batch), marked as busy time."""
 
         def run(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock.mark()
             try:
                 return compute(*args, **kwargs)
             finally:
-                self.busy_s += time.perf_counter() - start
+                self.busy.append((start, self.clock.mark()))
 
         return run
 
@@ -113,11 +117,11 @@ class Pipeline:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One schedule step over all micro-batches; the mean loss, sent from the last stage."""
-        start = time.perf_counter()
+        start = self.clock.mark()
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
         self.schedule.step(*args, target=labels, losses=losses)
-        self.step_s += time.perf_counter() - start
+        self.steps.append((start, self.clock.mark()))
         last = self.rank == self.size - 1
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
@@ -169,10 +173,17 @@ class Pipeline:
         return tensor
 
     def bubble_metrics(self) -> dict[str, float]:
-        """Share of step time this rank's stages were not computing, mean over all ranks."""
-        idle = torch.tensor([1 - self.busy_s / self.step_s if self.step_s else 0.0])
+        """Share of step time this rank's stages were not computing, mean over all ranks.
+
+        Reads the marks since the last call: on CUDA the events are complete by now (the log
+        point has waited for the device), so no micro-batch ever waited for one.
+        """
+        busy_s = sum(self.clock.seconds(start, end) for start, end in self.busy)
+        step_s = sum(self.clock.seconds(start, end) for start, end in self.steps)
+        self.busy.clear()
+        self.steps.clear()
+        idle = torch.tensor([1 - busy_s / step_s if step_s else 0.0], device=self.device)
         dist.all_reduce(idle)
-        self.busy_s = self.step_s = 0.0
         return {
             "pp/bubble_fraction": idle.item() / dist.get_world_size(),
             "pp/bubble_fraction_theory": self.theory_bubble,

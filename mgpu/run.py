@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -116,11 +117,14 @@ class Run:
         return run
 
     def train(self) -> dict[str, float]:
-        """The loop: step, record, and on schedule log metrics and evaluate. Returns the summary."""
+        """The loop: step, record, and on schedule log metrics and evaluate. Returns the summary.
+
+        Log points, evaluation and checkpoints run as stalls of the meter: they are timed on
+        their own and left out of the step figures."""
         cfg = self.job["train"]
         steps, log_every = cfg["steps"], cfg["log_every"]
         eval_every = self.job["eval"]["every_steps"]
-        meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"])
+        meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"], self.rt.device)
         fail_at = fault.fault_step(self.job["fault"], self.rt.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
         metrics: dict[str, float] = {}
@@ -130,27 +134,35 @@ class Run:
                 at.step = step
                 if step == fail_at:
                     fault.inject(self.job["fault"]["mode"], self.rt.rank, step, self.model)
-                meter.record(step, self.train_step())
+                meter.record(step, *self.train_step())
                 self.monitor.end_step(step)
                 if step % log_every == 0 or step == steps:
-                    metrics = self.log_point(step, meter)
-                    rate = metrics.get("train/samples_per_s", 0)
-                    bar.update(task, completed=step, loss=f"{metrics['train/loss']:.4f}",
-                               rate=f"{rate:,.0f}")
+                    with meter.stall():
+                        metrics = self.log_point(step, meter)
+                        rate = metrics.get("train/samples_per_s", 0)
+                        bar.update(task, completed=step, loss=f"{metrics['train/loss']:.4f}",
+                                   rate=f"{rate:,.0f}")
                 if eval_every and step % eval_every == 0 and step < steps:
-                    self.log(self.evaluate(), step)
+                    with meter.stall() as stall:
+                        results = self.evaluate()
+                    self.log({**results, "time/eval_s": stall.seconds}, step)
                 if self.checkpointer.due(step):
-                    self.log(self.checkpointer.save(self, step), step)
+                    with meter.stall():
+                        self.log(self.checkpointer.save(self, step), step)
         self.checkpointer.wait()
         final_eval = self.evaluate()
         self.log(final_eval, steps)
         return {**metrics, **final_eval, **self.checkpointer.summary(), "step": steps}
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step over `grad_accum` micro-batches; returns the (detached) loss."""
+    def train_step(self) -> tuple[torch.Tensor, int]:
+        """One optimizer step over `grad_accum` micro-batches.
+
+        Returns this rank's loss summed over its samples (detached, on the device) and the
+        number of samples: under an uneven split the ranks' losses weigh by their samples.
+        """
         accum = self.job["train"]["grad_accum"]
         timer = self.monitor.timer
-        total = None
+        loss_sum, samples = None, 0
         self.balance.before_step()
         for micro in range(accum):
             with timer.phase("data"):
@@ -162,16 +174,20 @@ class Run:
                 loss = self.strategy.forward_backward(
                     self.model, inputs, labels, self.precision, divisor, timer
                 )
-            total = loss if total is None else total + loss
+            weighted = loss * len(labels)
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
+            samples += len(labels)
         self.balance.after_backward()
         with timer.phase("optimizer"):
             self.precision.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        return total / accum if accum > 1 else total
+        return loss_sum, samples
 
     def log_point(self, step: int, meter: StepMeter) -> dict[str, float]:
-        """Metrics since the last log point: loss over all ranks, throughput, memory."""
+        """Metrics since the last log point: loss over all ranks, throughput, memory, bytes on
+        the wire, and how long this log point held up training (`time/log_point_s`)."""
+        started = time.perf_counter()
         metrics = {
             "train/loss": meter.window_loss(),
             "train/lr": self.scheduler.get_last_lr()[0],
@@ -180,11 +196,10 @@ class Run:
             **meter.throughput(),
             **self.precision.metrics(),
             **self.balance.metrics(),
+            **self.compression.metrics(),  # the bytes on the wire, which the monitor times
         }
-        metrics.update(self.monitor.log_point(step, metrics))
-        # After the monitor's: the compression counts the bytes actually sent, which the
-        # monitor's hook wrapper (gradient bytes before compression) cannot see.
-        metrics.update(self.compression.metrics())
+        metrics.update(self.monitor.log_point(step, metrics, meter.window_step_s()))
+        metrics["time/log_point_s"] = time.perf_counter() - started
         log.info(
             "step %d  loss %.4f  %s samples/s",
             step, metrics["train/loss"], f"{metrics.get('train/samples_per_s', 0):,.0f}",

@@ -299,8 +299,8 @@ COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "onebit")
 
 def bench_compression(rounds: int, workdir: Path) -> dict:
     """Each compression on strategy=ddp, 2 processes, the default run (500 steps): bytes this
-    rank hands to collectives per step and the ratio to plain fp32 (both from the last log
-    window, after every warm-up), samples/s and final accuracy, side by side."""
+    rank puts on the wire per step and the ratio to plain fp32 all-reduce (both from the last
+    log window, after every warm-up), samples/s and final accuracy, side by side."""
     common = ["strategy=ddp", "eval.every_steps=0", "checkpoint.every_steps=0"]
     runs = {name: [] for name in COMPRESSIONS}
     for _ in range(rounds):
@@ -320,8 +320,8 @@ def bench_compression(rounds: int, workdir: Path) -> dict:
     for name in COMPRESSIONS:
         report[name]["samples_per_s_vs_none"] = report[name]["samples_per_s_median"] / baseline
     report["setup"] = ("MLP 64-256-256-10 on digits (one DDP bucket, 340 kB), global batch 64, "
-                       "500 steps, AdamW cosine, 2 gloo processes; bytes: what one rank hands "
-                       "to all_reduce / all_gather per optimizer step")
+                       "500 steps, AdamW cosine, 2 gloo processes; bytes: what one rank puts "
+                       "on the wire per optimizer step (ring all-reduce / all_gather)")
     return report
 
 

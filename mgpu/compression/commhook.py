@@ -2,9 +2,16 @@
 
 Registration on the wrapped model (which strategies take one is a rule in `mgpu.support`),
 and the bytes on the wire: every tensor a hook hands to a collective goes through
-`all_reduce`/`all_gather` below, which count its bytes, so `comm/bytes_per_step` is measured,
-not derived from a formula (PowerSGD's collectives run inside torch: there torch's own tally
-of each tensor is used).
+`all_reduce`/`all_gather` below, which count what that collective sends from this rank
+(PowerSGD's collectives run inside torch: there torch's own tally of each tensor it
+all-reduces is counted the same way).
+
+Bytes on the wire are those of the ring algorithm, the convention of nccl-tests' bus bandwidth
+(`task=commbench`): to all-reduce S bytes over W ranks each rank sends 2(W-1)/W x S (a
+reduce-scatter, then an all-gather, of W pieces of S/W); to all-gather P bytes from every rank,
+each rank sends (W-1) x P. Plain all-reduce of the same buckets is the yardstick of
+`comm/compression_ratio`, so a payload gathered from every rank (onebit) saves less on more
+ranks, while a smaller dtype (fp16) saves the same at any world size.
 """
 
 # No `from __future__ import annotations` here: DDP compares a hook's annotations with the
@@ -19,6 +26,27 @@ from torch.futures import Future
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def all_reduce_wire_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends to all-reduce `nbytes` over `world_size` ranks (ring)."""
+    return 2 * (world_size - 1) / world_size * nbytes
+
+
+def all_gather_wire_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends to all-gather `nbytes` from every one of `world_size` ranks (ring)."""
+    return (world_size - 1) * nbytes
+
+
+def wire_metrics(wire_bytes: float, plain_bytes: float, steps: int) -> dict[str, float]:
+    """`comm/bytes_per_step` and `comm/compression_ratio` (plain all-reduce / actual), or {}
+    where nothing went on the wire (no synchronised step, or a single rank)."""
+    if not steps or not wire_bytes:
+        return {}
+    return {
+        "comm/bytes_per_step": wire_bytes / steps,
+        "comm/compression_ratio": plain_bytes / wire_bytes,
+    }
+
+
 class CommHookCompression:
     """Base of the options that are DDP comm hooks; a subclass writes `hook(state, bucket)`."""
 
@@ -27,14 +55,16 @@ class CommHookCompression:
     exact = False  # what arrives is a rounded or compressed copy of the averaged gradients
 
     def __init__(self) -> None:
-        # Since the last `metrics()` call:
-        self.sent_bytes = 0  # handed to collectives by this rank
-        self.plain_bytes = 0  # the bucket buffers DDP gave the hook: what it would all-reduce
+        self.world_size = 1  # of the model's process group, once registered
+        # Since the last `metrics()` call, in bytes this rank sent:
+        self.wire_bytes = 0.0  # by the hook's collectives
+        self.plain_bytes = 0.0  # what plain all-reduce of the buckets DDP gave the hook sends
         self.synced_steps = 0  # backward passes whose gradients reached the hook
 
     def register(self, model: nn.Module) -> None:
         if not hasattr(model, "register_comm_hook"):
             raise TypeError(f"{type(self).__name__} needs a DDP model, got {type(model).__name__}")
+        self.world_size = dist.get_world_size(model.process_group)
         model.register_comm_hook(self.hook_state(model), self._measured)
 
     def hook_state(self, model: nn.Module) -> object:
@@ -45,20 +75,20 @@ class CommHookCompression:
         raise NotImplementedError
 
     def _measured(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        self.plain_bytes += bucket.buffer().nbytes
+        self.plain_bytes += all_reduce_wire_bytes(bucket.buffer().nbytes, self.world_size)
         if bucket.is_last():  # DDP calls the hook once per bucket per synchronised step
             self.synced_steps += 1
         return self.hook(state, bucket)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Future[torch.Tensor]:
         """Sum `tensor` over `group` in place, counting its bytes; the future holds the tensor."""
-        self.sent_bytes += tensor.nbytes
+        self.count_all_reduce(tensor.nbytes)
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def all_gather(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Future[torch.Tensor]:
         """Every rank's `tensor`, stacked in rank order, counting this rank's bytes."""
-        self.sent_bytes += tensor.nbytes
+        self.wire_bytes += all_gather_wire_bytes(tensor.nbytes, group.size())
         gathered = tensor.new_empty(group.size() * tensor.numel())  # gloo wants it flat
         work = all_gather_single(gathered, tensor, group=group, async_op=True)
         return work.get_future().then(lambda _: gathered.view(group.size(), *tensor.shape))
@@ -70,15 +100,15 @@ class CommHookCompression:
         tensor.div_(group.size())  # before the sum, as DDP does, so fp16 cannot overflow
         return self.all_reduce(tensor, group)
 
+    def count_all_reduce(self, nbytes: int) -> None:
+        """Count an all-reduce of `nbytes` over the model's process group."""
+        self.wire_bytes += all_reduce_wire_bytes(nbytes, self.world_size)
+
     def metrics(self) -> dict[str, float]:
-        """Bytes sent per step and the ratio plain / sent, over the steps since the last call."""
-        if not self.synced_steps:
-            return {}
-        figures = {
-            "comm/bytes_per_step": self.sent_bytes / self.synced_steps,
-            "comm/compression_ratio": self.plain_bytes / self.sent_bytes,
-        }
-        self.sent_bytes = self.plain_bytes = self.synced_steps = 0
+        """Bytes on the wire per step and the ratio plain / actual, since the last call."""
+        figures = wire_metrics(self.wire_bytes, self.plain_bytes, self.synced_steps)
+        self.wire_bytes = self.plain_bytes = 0.0
+        self.synced_steps = 0
         return figures
 
     def state_dict(self) -> dict:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
+
+from mgpu.compression.commhook import all_reduce_wire_bytes, wire_metrics
 
 
 class NoCompression:
@@ -21,11 +24,13 @@ class NoCompression:
         self.model = model if hasattr(model, "_get_ddp_logging_data") else None
 
     def metrics(self) -> dict[str, float]:
-        if self.model is None:  # no DDP: nothing this option knows to report
+        """All-reduce of DDP's buckets, once per step; {} without DDP (no comm hook to count)."""
+        if self.model is None:
             return {}
         sizes = str(self.model._get_ddp_logging_data().get("bucket_sizes", ""))
         total = sum(int(size) for size in sizes.split(",") if size.strip())
-        return {"comm/bytes_per_step": float(total), "comm/compression_ratio": 1.0}
+        wire = all_reduce_wire_bytes(total, dist.get_world_size(self.model.process_group))
+        return wire_metrics(wire, wire, steps=1)
 
     def state_dict(self) -> dict:
         return {}

@@ -65,7 +65,7 @@ class PowerSGD(CommHookCompression):
         future = powerSGD_hook(state, bucket)
         buffer = bucket.buffer()
         numel = buffer.numel() if plain else state.total_numel_after_compression - tally
-        self.sent_bytes += numel * buffer.element_size()
+        self.count_all_reduce(numel * buffer.element_size())
         return future
 
     def state_dict(self) -> dict:

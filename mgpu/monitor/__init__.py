@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -34,7 +33,7 @@ from mgpu.runtime import Runtime
 log = logging.getLogger(__name__)
 
 # Per-rank window figures gathered at log points, ahead of the telemetry keys.
-WINDOW_KEYS = ("compute_before_comm", "allreduce", "comm_bytes")
+WINDOW_KEYS = ("compute_before_comm", "allreduce")
 
 
 class Monitor:
@@ -68,7 +67,7 @@ class Monitor:
                 rt.device, cfg["profile_start_step"], cfg["profile_steps"], trace)
         if self.telemetry:
             self.telemetry.start()
-        self.window_steps, self.window_start = 0, time.perf_counter()
+        self.window_steps = 0
 
     def comm_hooks(self, model: torch.nn.Module) -> AbstractContextManager:
         """Context around `compression.register(model)`: times whichever comm hook it installs."""
@@ -83,17 +82,19 @@ class Monitor:
                 self.timer.annotate = recording
         self.window_steps += 1
 
-    def log_point(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    def log_point(
+        self, step: int, metrics: dict[str, float], step_s: float | None
+    ) -> dict[str, float]:
         """The window's figures; every rank must call it (it holds one all-reduce when enabled).
 
-        Returns the metrics rank 0 logs (an empty dict on other ranks, or when monitoring is off).
+        `metrics` are this rank's figures of the window (loss, throughput, the compression's
+        bytes on the wire); `step_s` its mean step time, stalls left out. Returns the metrics
+        rank 0 logs (an empty dict on other ranks, or when monitoring is off).
         """
-        now = time.perf_counter()
-        step_s = (now - self.window_start) / max(self.window_steps, 1)
         window = self.timer.collect() if self.enabled else []
         if self.exporter:
-            self.export(step, step_s, metrics.get("train/loss"), window)
-        self.window_steps, self.window_start = 0, now
+            self.export(step, step_s, metrics, window)
+        self.window_steps = 0
         if not self.enabled:
             return {}
         local = [
@@ -104,7 +105,7 @@ class Monitor:
         if not self.rt.is_main:
             return {}
         out = self.timer.percentiles()
-        out.update(self.across_ranks(table))
+        out.update(self.across_ranks(table, metrics.get("comm/bytes_per_step")))
         if self.mfu and "train/samples_per_s" in metrics:
             out["train/mfu"] = self.mfu(metrics["train/samples_per_s"])
         return out
@@ -118,18 +119,23 @@ class Monitor:
             dist.all_reduce(table)
         return table.cpu().numpy()
 
-    def across_ranks(self, table: np.ndarray) -> dict[str, float]:
-        """Stragglers, communication and telemetry of the window, from the gathered table."""
-        compute, allreduce, nbytes = table[:, 0], table[:, 1], table[:, 2]
+    def across_ranks(self, table: np.ndarray, wire_bytes: float | None) -> dict[str, float]:
+        """Stragglers, communication and telemetry of the window, from the gathered table.
+
+        `wire_bytes` is what the compression counted on the wire per step (None where it
+        counts nothing): the bandwidth divides those bytes, not the gradient bytes the hook
+        was handed, by the time the hook's collectives took.
+        """
+        compute, allreduce = table[:, 0], table[:, 1]
         out = {}
         if not np.isnan(compute).all():
             out["time/slowest_rank"] = float(np.nanargmax(compute))
             out["time/compute_before_comm_max_s"] = float(np.nanmax(compute))
             out["time/compute_before_comm_min_s"] = float(np.nanmin(compute))
-        if self.comm and np.nansum(nbytes) > 0:
+        if self.comm and np.nanmean(allreduce) > 0:
             out["comm/allreduce_s"] = float(np.nanmean(allreduce))
-            out["comm/bytes_per_step"] = float(nbytes[0])
-            out["comm/bandwidth_GBps"] = float(np.nanmean(nbytes / allreduce)) / 1e9
+            if wire_bytes:
+                out["comm/bandwidth_GBps"] = wire_bytes / out["comm/allreduce_s"] / 1e9
         for i, key in enumerate(self.telemetry.keys, start=len(WINDOW_KEYS)):
             column = table[:, i]
             if not np.isnan(column).all():
@@ -138,13 +144,15 @@ class Monitor:
                 out[f"{key}_max"] = float(np.nanmax(column))
         return out
 
-    def export(self, step: int, step_s: float, loss: float | None, window: list[dict]) -> None:
+    def export(
+        self, step: int, step_s: float | None, metrics: dict[str, float], window: list[dict]
+    ) -> None:
         phases = {p: float(np.mean([w[p] for w in window])) for p in PHASES} if window else {}
         comm_s = float(np.mean([w["allreduce"] for w in window])) if window and self.comm else None
-        comm_bytes = sum(w["comm_bytes"] for w in window)
+        comm_bytes = metrics.get("comm/bytes_per_step", 0.0) * self.window_steps
         self.exporter.update_window(
-            step, self.window_steps, self.window_steps * self.local_batch, step_s, loss,
-            phases, comm_s, comm_bytes,
+            step, self.window_steps, self.window_steps * self.local_batch, step_s,
+            metrics.get("train/loss"), phases, comm_s, comm_bytes,
         )
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
-"""Communication time and bytes, measured on DDP's comm-hook path.
+"""Communication time, measured on DDP's comm-hook path.
 
 DDP calls its comm hook once per gradient bucket, as soon as the bucket's gradients are ready,
 and waits for the returned future at the end of backward. Wrapping the hook therefore sees
 each collective's launch (the first launch of a step ends that rank's compute before
-communication), its completion (a callback on the future), and the bucket's size.
+communication) and its completion (a callback on the future). The bytes those collectives put
+on the wire depend on what the hook sends and by which collective: the compression counts
+them (`mgpu/compression/commhook.py`), and the monitor divides them by the time measured here.
 
 Any hook can be wrapped: while `CommMeter.intercept(model)` is open, a compression that calls
 `model.register_comm_hook(state, hook)` registers the timed wrapper of its own hook instead;
@@ -27,7 +29,7 @@ Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
 class CommMeter:
-    """Collects (start, end, bytes) of every collective the wrapped hook launches in a step."""
+    """Collects (start, end) of every bucket's communication the wrapped hook runs in a step."""
 
     def __init__(self, device: torch.device) -> None:
         self.clock = clock_for(device)
@@ -35,14 +37,14 @@ class CommMeter:
         self.collectives: list[list] = []
 
     def wrap(self, hook: Hook) -> Hook:
-        """`hook`, timed; bytes are the bucket's gradient bytes handed to the collective."""
+        """`hook`, timed from its launch to the completion of the future it returns."""
 
         # No annotations: DDP checks them, and this module's are strings (future annotations).
         def timed_hook(state, bucket):
             start = self.clock.mark()
             if self.first is None:
                 self.first = start
-            record = [start, None, bucket.buffer().numel() * bucket.buffer().element_size()]
+            record = [start, None]
             self.collectives.append(record)
 
             def done(fut: torch.futures.Future) -> torch.Tensor:
@@ -55,7 +57,7 @@ class CommMeter:
         timed_hook.__qualname__ = f"timed({getattr(hook, '__qualname__', repr(hook))})"
         return timed_hook
 
-    def take_step(self) -> tuple[Any, list[tuple[Any, Any, int]]]:
+    def take_step(self) -> tuple[Any, list[tuple[Any, Any]]]:
         """The step's first launch mark and its collectives; resets for the next step.
 
         DDP has waited for every hook's future before backward returns, so all are complete.

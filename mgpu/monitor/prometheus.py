@@ -41,27 +41,31 @@ class Exporter:
 
         self.step = gauge("mgpu_step", "last completed optimizer step")
         self.step_duration = gauge(
-            "mgpu_step_duration_seconds", "mean wall time per step since the last log point")
+            "mgpu_step_duration_seconds",
+            "mean wall time per step since the last log point (log points, evaluation and "
+            "checkpoints left out)")
         self.samples = counter("mgpu_samples", "training samples processed by this rank")
         self.loss = gauge("mgpu_loss", "training loss, mean over ranks and the last window")
         self.phase = gauge(
             "mgpu_phase_duration_seconds", "mean time per step in each phase", "phase")
         self.comm_seconds = gauge(
             "mgpu_allreduce_duration_seconds", "all-reduce time per step (sum over buckets)")
-        self.comm_bytes = counter("mgpu_comm_bytes", "gradient bytes handed to collectives")
+        self.comm_bytes = counter(
+            "mgpu_comm_bytes", "bytes this rank put on the wire to synchronise gradients")
         self.device = {key: gauge(name, doc) for key, (name, doc, _) in DEVICE_SERIES.items()}
         self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         log.info("Prometheus exporter on http://%s:%d/metrics", host, port)
 
     def update_window(
-        self, step: int, steps: int, samples: int, step_s: float, loss: float | None,
+        self, step: int, steps: int, samples: int, step_s: float | None, loss: float | None,
         phases: dict[str, float], comm_s: float | None, comm_bytes: float,
     ) -> None:
         """Figures of the window that ended at `step` (`steps` steps, `samples` samples)."""
         rank = self.rank
         self.step.labels(rank).set(step)
         self.samples.labels(rank).inc(samples)
-        self.step_duration.labels(rank).set(step_s)
+        if step_s is not None:
+            self.step_duration.labels(rank).set(step_s)
         if loss is not None:
             self.loss.labels(rank).set(loss)
         for name in PHASES:

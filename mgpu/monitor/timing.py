@@ -7,6 +7,7 @@ at log points, after the loss has been fetched (which has already waited for the
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -118,12 +119,12 @@ class PhaseTimer:
             times = dict.fromkeys(PHASES, 0.0)
             for name, start, end in marks:
                 times[name] = times.get(name, 0.0) + seconds(start, end)
-            if first_comm is not None:
-                times["compute_before_comm"] = seconds(step_start, first_comm)
-            else:  # no collective in the step (one process): all of its compute
-                times["compute_before_comm"] = times["data"] + times["forward"] + times["backward"]
-            times["allreduce"] = sum(seconds(start, end) for start, end, _ in collectives)
-            times["comm_bytes"] = float(sum(nbytes for _, _, nbytes in collectives))
+            # No collective seen (one process, or a strategy without a DDP comm hook): no
+            # moment at which compute ended and communication began.
+            times["compute_before_comm"] = (
+                seconds(step_start, first_comm) if first_comm is not None else math.nan
+            )
+            times["allreduce"] = sum(seconds(start, end) for start, end in collectives)
             if step > self.warmup_steps:
                 if self.run_steps == len(self.run):
                     self.run = np.concatenate([self.run, np.empty_like(self.run)])

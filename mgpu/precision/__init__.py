@@ -33,7 +33,8 @@ class Precision(Protocol):
         """Apply the optimizer step; return False where the step was skipped (non-finite)."""
 
     def metrics(self) -> dict[str, float]:
-        """`amp/loss_scale` and `amp/skipped_steps`, merged into each metric point."""
+        """Merged into each metric point: `train/skipped_steps`, and `amp/loss_scale` where the
+        precision scales the loss."""
 
     def state_dict(self) -> dict[str, Any]:
         """Loss scaler and skip counters, for checkpoints."""

@@ -88,8 +88,9 @@ class AMP(PrecisionBase):
         self.count(skipped)
         return not skipped
 
-    def loss_scale(self) -> float:
-        return self.scale.item()
+    def metrics(self) -> dict[str, float]:
+        """The skipped steps, and the loss scale after the last update (only amp scales)."""
+        return {**super().metrics(), "amp/loss_scale": self.scale.item()}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "scale": self.scale.item(),

@@ -132,11 +132,9 @@ class PrecisionBase:
                 f"{self.max_nonfinite_steps}); lower optim.lr or check the data"
             )
 
-    def loss_scale(self) -> float:
-        return 1.0
-
     def metrics(self) -> dict[str, float]:
-        return {"amp/loss_scale": self.loss_scale(), "amp/skipped_steps": self.skipped_steps}
+        """Optimizer steps skipped for a non-finite loss or gradient, since the start."""
+        return {"train/skipped_steps": float(self.skipped_steps)}
 
     def state_dict(self) -> dict[str, Any]:
         return {
