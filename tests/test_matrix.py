@@ -142,16 +142,16 @@ def train_cell(job: dict, rt) -> dict:
     parts = stateful_parts(run) if run.start_step else None
     step_once = run.train_step
 
-    def checked_step() -> torch.Tensor:
+    def checked_step() -> tuple[torch.Tensor, int]:
         nonlocal parts
-        loss = step_once()
+        loss_sum, samples = step_once()
         step = run.start_step + len(losses) + 1
-        losses[step] = float(loss)
+        losses[step] = float(loss_sum) / samples
         if not replicas_agree(run):
             diverged.append(step)
         if step == CHECKPOINT_AT:
             parts = stateful_parts(run)
-        return loss
+        return loss_sum, samples
 
     run.train_step = checked_step
     try:
