@@ -142,6 +142,7 @@ class Run:
         timer = self.monitor.timer
         total = None
         self.balance.before_step()
+        self.compression.begin_step(self.precision.grad_scale())
         for micro in range(accum):
             with timer.phase("data"):
                 inputs, labels = next(self.batches)
@@ -155,7 +156,8 @@ class Run:
             total = loss if total is None else total + loss
         self.balance.after_backward()
         with timer.phase("optimizer"):
-            self.precision.step(self.optimizer)
+            applied = self.balance.has_gradients() and self.precision.step(self.optimizer)
+            self.compression.end_step(applied)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         return total / accum if accum > 1 else total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -18,6 +19,12 @@ class NoCompression:
 
     def register(self, model: nn.Module) -> None:
         self.model = model if hasattr(model, "_get_ddp_logging_data") else None
+
+    def begin_step(self, grad_scale: torch.Tensor) -> None:
+        pass
+
+    def end_step(self, applied: bool) -> None:
+        pass
 
     def metrics(self) -> dict[str, float]:
         if self.model is None:  # no DDP: nothing this option knows to report

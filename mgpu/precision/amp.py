@@ -70,6 +70,9 @@ class AMP(PrecisionBase):
         scaled = self.scaler.scale(loss)
         scaled.backward(loss_seed(scaled))
 
+    def grad_scale(self) -> torch.Tensor:
+        return self.scaler.scale(self.one)  # the scale as a tensor, no host sync
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         self.scaler.step(optimizer)  # unscales, and skips the step on inf/NaN gradients
         self.scaler.update()
