@@ -14,11 +14,18 @@ or truncated checkpoint is reported in one log line and skipped, never loaded.
 Loading never executes pickled code: DCP's `.metadata` is read by an unpickler that admits
 only DCP's own metadata classes, and non-tensor values load with `torch.load(weights_only=True)`.
 
-What a checkpoint holds: model and optimizer (`get_state_dict`, so sharded strategies save
-their shards), lr scheduler, precision (grad scaler), balance, step and data position (global
+What a checkpoint holds: the model (`get_model_state_dict`, so sharded strategies save their
+shards), the optimizer (as the strategy saves it: zero1 by parameter name, each rank its own
+partition), lr scheduler, precision (grad scaler), balance, step and data position (global
 sample index: valid at any world size), and per rank, under `rank<r>`, the compression state
 and the torch/numpy/python RNG states. A rank that did not exist when the checkpoint was saved
 starts with fresh per-rank state.
+
+DCP loads only the keys of the template it is given, and the template comes from a fresh run:
+state whose keys or shapes are only known once training ran (error-feedback residuals created
+at the first step, PowerSGD memories, ssp's queue of gradients, a split over another world
+size) would load as empty. Such state — the balance's and each rank's — is saved as one opaque
+leaf (`pack`), which DCP writes as bytes and loads whole, whatever the template holds.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mgpu.errors import ConfigError
 
@@ -241,34 +248,50 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def pack(tree: Any) -> bytes:
+    """`tree` (tensors, numbers, strings in dicts and lists) as one opaque leaf for DCP.
+
+    DCP writes a bytes leaf as it is and loads it whole into any template, so state whose
+    keys and shapes vary loads completely. What it holds loads with `unpack`, weights-only.
+    """
+    buffer = io.BytesIO()
+    torch.save(tree, buffer)
+    return buffer.getvalue()
+
+
+def unpack(blob: bytes) -> Any:
+    """What `pack` stored; tensors on the CPU (each part moves its state to its device)."""
+    return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+
+
 def train_state(run: Run, step: int, with_rank_state: bool = True) -> dict[str, Any]:
-    """The run's state as one (nested) state dict for DCP."""
-    model, optim = get_state_dict(run.model, run.optimizer)
+    """The run's state as one (nested) state dict for DCP; also the template to load into."""
     state = {
-        "model": model,
-        "optim": optim,
+        "model": get_model_state_dict(run.model),
+        "optim": run.strategy.optimizer_state_dict(run.model, run.optimizer),
         "scheduler": run.scheduler.state_dict(),
         "precision": run.precision.state_dict(),
-        "balance": run.balance.state_dict(),
+        "balance": pack(run.balance.state_dict()),
         "progress": {"step": step, "data": run.batches.state_dict()},
     }
     if with_rank_state:
-        state[f"rank{run.rt.rank}"] = {
-            "rng": rng_state(), "compression": run.compression.state_dict(),
-        }
+        state[f"rank{run.rt.rank}"] = pack(
+            {"rng": rng_state(), "compression": run.compression.state_dict()}
+        )
     return state
 
 
 def apply_train_state(run: Run, state: dict[str, Any]) -> int:
     """Put a loaded state dict back into the run; returns the step it was saved at."""
-    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_model_state_dict(run.model, state["model"])
+    run.strategy.load_optimizer_state_dict(run.model, run.optimizer, state["optim"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.precision.load_state_dict(state["precision"])
-    run.balance.load_state_dict(state["balance"])
+    run.balance.load_state_dict(unpack(state["balance"]))
     run.batches.load_state_dict(state["progress"]["data"])
     own = state.get(f"rank{run.rt.rank}")
     if own is not None:
+        own = unpack(own)
         set_rng_state(own["rng"])
         run.compression.load_state_dict(own["compression"])
     return state["progress"]["step"]

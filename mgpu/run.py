@@ -164,6 +164,7 @@ class Run:
         timer = self.monitor.timer
         loss_sum, samples = None, 0
         self.balance.before_step()
+        self.compression.begin_step(self.precision.grad_scale())
         for micro in range(accum):
             with timer.phase("data"):
                 inputs, labels = next(self.batches)
@@ -179,7 +180,8 @@ class Run:
             samples += len(labels)
         self.balance.after_backward()
         with timer.phase("optimizer"):
-            self.precision.step(self.optimizer)
+            applied = self.balance.has_gradients() and self.precision.step(self.optimizer)
+            self.compression.end_step(applied)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         return loss_sum, samples

@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from mgpu.config import prepare
 from mgpu.launch import launch
+from mgpu.runtime import shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -62,3 +65,13 @@ def mlflow_runs(cwd: Path) -> list:
 @pytest.fixture
 def cli(tmp_path: Path):
     return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real one-process gloo group: enough for DDP to call its comm hooks."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    shutdown()

@@ -19,6 +19,7 @@ from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.mlp import MLP
+from mgpu.run import Run
 from mgpu.runtime import Runtime, init_runtime, shutdown
 from tests.conftest import QUICK, launch_job, make_job
 
@@ -133,8 +134,10 @@ def test_throughput_moves_work_off_a_straggler_and_stays_exact(tmp_path):
 
 @pytest.mark.dist
 def test_ssp_zero_is_bitwise_ddp_and_ssp_two_trains(tmp_path):
-    # A straggler on rank 1 only: sleeps change no number, and every rank still runs the clock.
-    slow = [*QUICK, "straggler.slowdown=[1.0,1.5]"]
+    """At 3 ranks, where averaging by x / 3 and by x * (1/3) round differently; a straggler on
+    rank 2 only: sleeps change no number, and every rank still runs the clock."""
+    slow = [*QUICK, "launch.nproc_per_node=3", "data.batch_size=48",
+            "straggler.slowdown=[1.0,1.0,1.5]"]
     none, none_w = launch_job(slow, tmp_path / "none")
     _, ssp0_w = launch_job([*slow, "balance=ssp", "balance.staleness=0"], tmp_path / "ssp0")
     assert none["balance/imbalance"] > 0
@@ -144,8 +147,27 @@ def test_ssp_zero_is_bitwise_ddp_and_ssp_two_trains(tmp_path):
                              "balance=ssp", "balance.staleness=2", "straggler.jitter_s=0.002"],
                             tmp_path / "ssp2")
     assert summary["eval/accuracy"] >= 0.88
-    assert summary["balance/staleness_steps"] == 2
+    assert summary["balance/staleness_steps"] == 2  # measured: every applied gradient's age
     assert 0 <= summary["balance/ahead_steps"] <= 2
+
+
+@pytest.mark.dist
+def test_ssp_first_steps_leave_weights_and_optimizer_state_alone(one_rank_group, tmp_path):
+    """staleness=2: steps 1 and 2 have no averaged gradients to apply yet. AdamW must neither
+    move the weights (weight decay) nor start its moments and step count; step 3 applies step
+    1's gradients."""
+    job = make_job(["balance=ssp", "balance.staleness=2", "launch.nproc_per_node=1"], tmp_path)
+    run = Run.build(job, cpu_runtime(0, 1, tmp_path), None)
+    initial = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+    for _ in range(2):
+        run.train_step()
+    for name, param in run.model.named_parameters():
+        assert torch.equal(param, initial[name]), name
+    assert not run.optimizer.state
+    run.train_step()
+    assert run.optimizer.state
+    assert all(not torch.equal(p, initial[name]) for name, p in run.model.named_parameters())
+    run.close()
 
 
 def test_thermal_without_nvml_logs_once_and_uses_throughput(tmp_path, caplog):

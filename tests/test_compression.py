@@ -3,21 +3,24 @@ all ranks in step, and every option still trains."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from hydra.utils import instantiate
 from torch import nn
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
+from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, unpack
 from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unpack_signs
 from mgpu.errors import ConfigError
 from mgpu.run import Run
-from mgpu.runtime import init_runtime, shutdown
-from tests.conftest import QUICK, make_job, mlflow_runs
+from mgpu.runtime import Runtime, init_runtime, shutdown
+from tests.conftest import QUICK, launch_job, make_job, mlflow_runs
 
 OPTIONS = ("none", "fp16", "bf16", "powersgd", "onebit")
 
@@ -36,21 +39,14 @@ def test_pack_unpack_round_trips_signs(numel):
 
 
 def test_payload_decodes_to_the_value_the_sender_kept():
-    compensated = torch.randn(1001)
-    payload, transmitted = encode(compensated)
-    assert payload.numel() == 126 + 4  # ceil(1001 / 8) bytes of signs + one fp32 scale
-    assert torch.equal(decode_mean(payload.unsqueeze(0), 1001), transmitted)
-    assert transmitted.abs().unique().item() == pytest.approx(compensated.abs().mean().item())
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A real one-process gloo group: enough for DDP to call its comm hooks."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    shutdown()
+    """One scale per parameter, each the mean absolute value of that parameter's values."""
+    compensated = torch.cat([torch.randn(1000), 100 * torch.randn(1)])  # a weight and a bias
+    payload, transmitted = encode(compensated, [1000, 1])
+    assert payload.numel() == 126 + 2 * 4  # ceil(1001 / 8) bytes of signs + 2 fp32 scales
+    assert torch.equal(decode_mean(payload.unsqueeze(0), [1000, 1]), transmitted)
+    weight, bias = transmitted.split([1000, 1])
+    assert weight.abs().unique().item() == pytest.approx(compensated[:1000].abs().mean().item())
+    assert bias.abs().item() == compensated[1000].abs().item()
 
 
 class RecordingOneBit(OneBit):
@@ -69,7 +65,7 @@ class RecordingOneBit(OneBit):
         names = [self.names[id(p)] for p in bucket.parameters()]
         grads = [g.clone() for g in bucket.gradients()]
         future = super().hook(group, bucket)
-        sent = decode_mean(self.own_payload.unsqueeze(0), bucket.buffer().numel())
+        sent = decode_mean(self.own_payload.unsqueeze(0), [g.numel() for g in grads])
         for name, grad, piece in zip(names, grads, sent.split([g.numel() for g in grads]),
                                      strict=True):
             self.true_sum[name] = self.true_sum.get(name, 0) + grad
@@ -97,6 +93,7 @@ def test_error_feedback_loses_nothing_across_steps_and_rebucketing(one_rank_grou
         loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
         loss.backward()
         optimizer.step()
+        compression.end_step(applied=True)
         optimizer.zero_grad()
         layouts.add(tuple(names for names, _ in compression.flat.values()))
     assert len(layouts) > 1, "DDP did not re-bucket: the test lost its point"
@@ -104,6 +101,56 @@ def test_error_feedback_loses_nothing_across_steps_and_rebucketing(one_rank_grou
         kept = compression.sent_sum[name] + compression.residuals[name]
         torch.testing.assert_close(kept, true, rtol=0, atol=1e-5, msg=name)
     assert set(compression.state_dict()["residuals"]) == set(compression.true_sum)
+
+
+def onebit_residuals_after(steps: int, overrides: list[str], tmp_path) -> torch.Tensor:
+    """A one-process DDP run with onebit from step 1: all its residuals after `steps` steps."""
+    job = make_job(["strategy=ddp", "launch.nproc_per_node=1", "compression=onebit",
+                    "compression.warmup_steps=0", *overrides], tmp_path)
+    run = Run.build(job, Runtime(0, 0, 1, 1, torch.device("cpu"), tmp_path), None)
+    for _ in range(steps):
+        run.train_step()
+    residuals = torch.cat([r.reshape(-1) for r in run.compression.residuals.values()])
+    run.close()
+    return residuals
+
+
+@pytest.mark.dist
+def test_onebit_keeps_residuals_in_unscaled_units_under_amp(one_rank_group, tmp_path):
+    """Under amp the gradients arrive times the loss scale, here 1024 doubling every step; the
+    residuals are kept without it: the size fp32 training leaves them, not 1024-16384x that."""
+    fp32 = onebit_residuals_after(4, ["precision=fp32"], tmp_path / "fp32")
+    amp = onebit_residuals_after(4, ["precision=amp", "precision.init_scale=1024",
+                                     "precision.growth_interval=1"], tmp_path / "amp")
+    assert 0.5 < amp.norm() / fp32.norm() < 2, (amp.norm(), fp32.norm())
+
+
+NONFINITE_AT = 5  # after onebit's warm-up (2 steps): rank 1's gradient is made +inf
+
+
+@pytest.mark.dist
+def test_a_nonfinite_step_under_onebit_is_skipped_once_and_training_goes_on(tmp_path):
+    """One inf gradient after the warm-up: that step is skipped on both ranks, each rank's
+    residuals keep their values instead of turning inf/NaN, and every later step applies."""
+    summary, weights = launch_job(
+        [*QUICK, "train.steps=12", "compression=onebit", "compression.warmup_steps=2",
+         "fault.mode=nonfinite_grad", f"fault.at_step={NONFINITE_AT}", "fault.kill_rank=1",
+         "checkpoint.every_steps=12"], tmp_path)
+    for rank in (0, 1):
+        log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        assert log.count("optimizer step skipped") == 1, rank
+        saved = saved_rank_state(tmp_path / "checkpoints" / "step_00000012", rank)
+        residuals = saved["compression"]["residuals"]
+        assert residuals and all(r.isfinite().all() for r in residuals.values()), rank
+    assert math.isfinite(summary["train/loss"]) and math.isfinite(summary["eval/loss"])
+    assert all(w.isfinite().all() for w in weights.values())
+
+
+def saved_rank_state(path: Path, rank: int) -> dict:
+    """What rank `rank` saved of its own (RNG, compression) in the checkpoint at `path`."""
+    state = {f"rank{rank}": b""}
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=WeightsOnlyLoadPlanner())
+    return unpack(state[f"rank{rank}"])
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,12 @@ class HalfPrecisionWire:
 
         model.register_comm_hook(None, fp16_compress_hook)
 
+    def begin_step(self, grad_scale: torch.Tensor) -> None:
+        pass
+
+    def end_step(self, applied: bool) -> None:
+        pass
+
     def metrics(self) -> dict:
         return {}
 

@@ -47,10 +47,15 @@ class Balance(Protocol):
 
     def after_backward(self) -> None: ...
 
+    def has_gradients(self) -> bool:
+        """Whether this step's synchronised gradients are to be applied (ssp's first
+        `staleness` steps have none: the optimizer step is left out)."""
+
     def metrics(self) -> dict[str, float]:
         """Per-rank batch sizes and speeds since the last call (a collective: every rank calls)."""
 
     def state_dict(self) -> dict:
-        """What the policy has learned (e.g. measured rank speeds), for checkpoints."""
+        """What the policy has learned and holds (the split, measured rank speeds, gradients
+        in flight), for checkpoints; the same on every rank."""
 
     def load_state_dict(self, state: dict) -> None: ...

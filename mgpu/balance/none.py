@@ -61,6 +61,9 @@ class EqualSplit:
         if self.clock:
             self.clock.end_backward()
 
+    def has_gradients(self) -> bool:
+        return True
+
     def metrics(self) -> dict[str, float]:
         """Batch sizes, samples/s of each rank's own work, imbalance and the wait for peers."""
         if not self.clock:

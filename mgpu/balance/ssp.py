@@ -4,17 +4,21 @@ A DDP comm hook (`StaleGradients`) launches each step's bucket all-reduce asynch
 hands DDP, for step t, the averaged gradients of step t - s instead of step t. DDP waits only
 for that older all-reduce, which has long arrived unless a peer is more than s steps behind; a
 rank delayed now and then (jitter) no longer stalls the others every time. The first s steps
-apply a zero gradient (there is no step t - s yet: the textbook delayed-gradient start), and
-the last s all-reduces are left unapplied.
+have no gradients to apply (there is no step t - s yet: the textbook delayed-gradient start):
+they leave the weights and the optimizer state as they are. The last s all-reduces are left
+unapplied.
 
-Each step's averaged buffers are kept as per-parameter views, because DDP rebuilds its buckets
-(order and grouping) after the first step: a stale bucket is reassembled in the current
-bucket's layout. With s = 0 the hook hands back the current step's all-reduce, computed as
-DDP's own hook does (divide by the world size, then sum), so the result is bitwise the same as
-`balance=none`.
+Each step's averaged buffers are kept as views by parameter name, because DDP rebuilds its
+buckets (order and grouping) after the first step of every run: a stale bucket is reassembled
+in the current bucket's layout. Checkpoints hold the step count and the averaged gradients
+still to be applied, by parameter name, so a resumed run applies exactly what the uninterrupted
+one would. The average is DDP's own: each value times 1/W, then the sum (x * (1/W) and x / W
+differ for a third of float32 values where W is not a power of two), so s = 0 is bitwise the
+same as `balance=none`.
 
-Same data and split as `none`; the metrics add `balance/staleness_steps` (age of the applied
-gradients) and `balance/ahead_steps` (how many of its own steps a rank had in flight, not yet
+Same data and split as `none`; the metrics add `balance/staleness_steps` (the mean age, in
+steps, of the gradients applied since the last log point, from the steps they were computed
+at) and `balance/ahead_steps` (how many of its own steps a rank had in flight, not yet
 completed by every rank, when it finished a backward pass: how far ahead it actually ran).
 """
 
@@ -31,26 +35,40 @@ from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
 
 
+def completed(tensor: torch.Tensor) -> Future:
+    """A future that has `tensor`'s all-reduce result already, as `dist.all_reduce`'s has."""
+    future: Future = Future()
+    future.set_result([tensor])
+    return future
+
+
 class StaleGradients:
     """DDP comm hook state: the in-flight all-reduces of the last `staleness` + 1 steps."""
 
-    def __init__(self, staleness: int, world_size: int) -> None:
-        self.staleness, self.world_size = staleness, world_size
+    def __init__(self, staleness: int, world_size: int, names: dict[int, str],
+                 device: torch.device) -> None:
+        self.staleness, self.world_size, self.device = staleness, world_size, device
+        self.names = names  # id(parameter) -> name
         self.step = 0  # synchronising backward passes seen so far
-        # step → {parameter data pointer: (future, averaged bucket, the parameter's view of it)}
-        self.sent: dict[int, dict[int, tuple[Future, torch.Tensor, torch.Tensor]]] = {}
+        # step → {parameter name: (future, averaged bucket, the parameter's view of it)}
+        self.sent: dict[int, dict[str, tuple[Future, torch.Tensor, torch.Tensor]]] = {}
+        self.applied: int | None = None  # the step whose gradients the last step got, if any
+        self.ages: list[int] = []  # age of the gradients each step applied, since the last read
 
     def hook(self, state: object, bucket: GradBucket) -> Future[torch.Tensor]:
-        averaged = bucket.buffer() / self.world_size  # a copy: DDP reuses the bucket buffer
+        averaged = bucket.buffer() * (1 / self.world_size)  # a copy: DDP reuses the buffer
         future = dist.all_reduce(averaged, async_op=True).get_future()
+        params = bucket.parameters()
         views = self.sent.setdefault(self.step, {})
-        offset = 0
-        for param in bucket.parameters():
-            views[param.data_ptr()] = (future, averaged, averaged[offset : offset + param.numel()])
-            offset += param.numel()
+        for param, view in zip(params, averaged.split([p.numel() for p in params]), strict=True):
+            views[self.names[id(param)]] = (future, averaged, view)
         result = self.stale(bucket)
         if bucket.is_last():
-            self.sent.pop(self.step - self.staleness, None)
+            source = self.step - self.staleness
+            self.applied = source if source in self.sent else None
+            if self.applied is not None:
+                self.ages.append(self.step - self.applied)
+            self.sent.pop(source, None)
             self.step += 1
         return result
 
@@ -61,7 +79,7 @@ class StaleGradients:
             done: Future[torch.Tensor] = Future()
             done.set_result(torch.zeros_like(bucket.buffer()))
             return done
-        pieces = [old[param.data_ptr()] for param in bucket.parameters()]
+        pieces = [old[self.names[id(param)]] for param in bucket.parameters()]
         future, averaged, _ = pieces[0]
         views = [view for _, _, view in pieces]
         if all(p[1] is averaged for p in pieces) and _is_whole(views, averaged):
@@ -72,6 +90,23 @@ class StaleGradients:
     def in_flight(self) -> int:
         """Steps of this rank whose all-reduce has not completed yet."""
         return sum(not all(f.done() for f, _, _ in views.values()) for views in self.sent.values())
+
+    def state_dict(self) -> dict:
+        """The step count and the averaged gradients not yet applied, by step and parameter
+        name (waiting for their all-reduces, which every rank has started)."""
+        queue = {}
+        for step, views in self.sent.items():
+            for future, _, _ in views.values():
+                future.wait()
+            queue[step] = {name: view.clone() for name, (_, _, view) in views.items()}
+        return {"step": self.step, "queue": queue}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.sent = {}
+        for step, grads in state["queue"].items():
+            on_device = {name: grad.to(self.device) for name, grad in grads.items()}
+            self.sent[step] = {name: (completed(g), g, g) for name, g in on_device.items()}
 
 
 def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
@@ -98,8 +133,13 @@ class StaleSynchronous(EqualSplit):
 
     def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
         super().attach(model, rt, job)
-        self.stale = StaleGradients(self.staleness, rt.world_size)
+        names = {id(p): name for name, p in getattr(model, "module", model).named_parameters()}
+        self.stale = StaleGradients(self.staleness, rt.world_size, names, rt.device)
         model.register_comm_hook(None, self.stale.hook)
+
+    def has_gradients(self) -> bool:
+        """False in the first `staleness` steps: no averaged gradients are due yet."""
+        return self.stale.applied is not None
 
     def after_backward(self) -> None:
         super().after_backward()
@@ -110,6 +150,15 @@ class StaleSynchronous(EqualSplit):
         metrics = super().metrics()
         ahead = gather_rows([self.ahead / max(steps, 1)], self.rt)[:, 0]
         self.ahead = 0
-        applied = self.staleness if self.stale.step > self.staleness else 0
-        return {**metrics, "balance/staleness_steps": float(applied),
-                "balance/ahead_steps": float(ahead.max())}
+        metrics["balance/ahead_steps"] = float(ahead.max())
+        ages, self.stale.ages = self.stale.ages, []
+        if ages:  # the same on every rank: all apply the same steps' gradients
+            metrics["balance/staleness_steps"] = sum(ages) / len(ages)
+        return metrics
+
+    def state_dict(self) -> dict:
+        return self.stale.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if "queue" in state:  # else saved with another balance option: start as a fresh run
+            self.stale.load_state_dict(state)

@@ -9,6 +9,10 @@ fastest a synchronous step can be. The new split is applied only if some rank's 
 by more than `hysteresis` of the global batch, so measurement noise does not make sizes
 oscillate.
 
+A checkpoint holds the split, the smoothed rates, the step count (the rebalancing schedule) and
+the number of rebalancings, so a resumed run goes on from the split it had; at another world
+size it starts from an equal split, said in one log line.
+
 The update stays exact: each micro-batch's loss is weighted by its share of the global batch
 (`loss_divisor`), and the ranks' shares of a step are consecutive slices of the global batch a
 single process would take (`mgpu/data/sampler.py`), so the update equals the single-process one.
@@ -69,7 +73,9 @@ class Throughput(EqualSplit):
             raise ConfigError(f"balance.hysteresis={hysteresis}: must be in [0, 1)")
         self.warmup_steps, self.rebalance_every = warmup_steps, rebalance_every
         self.ema, self.hysteresis = ema, hysteresis
-        self.step = 0
+        self.step = 0  # steps so far, resumed from checkpoints: the rebalancing schedule
+        self.steps_here = 0  # steps this process ran: its first two are not measured
+        self.measured_from: int | None = None  # first step of the window in the clock's list
         self.smoothed: torch.Tensor | None = None
         self.rebalances = 0
 
@@ -88,8 +94,9 @@ class Throughput(EqualSplit):
 
     def before_step(self) -> None:
         self.step += 1
-        if self.step == 3:  # not measured: step 1 (lazy set-up) and step 2 (whose simulated
-            self.clock.totals()  # straggler delay is based on step 1)
+        self.steps_here += 1
+        if self.steps_here == 3:  # not measured: this process's step 1 (lazy set-up) and step 2
+            self.clock.totals()  # (whose simulated straggler delay is based on step 1)
             self.measured_from = len(self.clock.busy_per_sample)
         done = self.step - 1
         if done >= self.warmup_steps and (done - self.warmup_steps) % self.rebalance_every == 0:
@@ -99,12 +106,15 @@ class Throughput(EqualSplit):
     def rebalance(self) -> None:
         """All ranks: gather the rates of the last window, smooth them, maybe apply a new split."""
         self.clock.totals()  # resolves the last step
-        window = self.clock.busy_per_sample[self.measured_from :]
-        self.measured_from = len(self.clock.busy_per_sample)
+        measured = self.measured_from is not None
+        window = self.clock.busy_per_sample[self.measured_from :] if measured else []
+        self.measured_from = len(self.clock.busy_per_sample) if measured else None
         # The median step, not the mean: a rank descheduled for one step (a busy neighbour, a
         # page fault) would otherwise look slow for the whole window.
         seconds = statistics.median(window) if window else 0.0
         rates = gather_rows([1 / seconds if seconds > 0 else 0.0], self.rt)[:, 0]
+        if not rates.all():  # no step measured yet (a resumed run's first two): keep the split
+            return
         if self.smoothed is None:
             self.smoothed = rates
         else:
@@ -125,3 +135,21 @@ class Throughput(EqualSplit):
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "balance/rebalances": float(self.rebalances)}
+
+    def state_dict(self) -> dict:
+        return {"world_size": self.rt.world_size, "sizes": list(self.sizes), "step": self.step,
+                "smoothed": self.smoothed, "rebalances": self.rebalances}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("world_size") != self.rt.world_size:
+            saved = (f"the checkpoint's split {state['sizes']} is for {state['world_size']} ranks"
+                     if "sizes" in state else "the checkpoint holds no split (another balance)")
+            log.info("balance: %s; starting from an equal split over %d ranks", saved,
+                     self.rt.world_size)
+            return
+        self.step, self.rebalances = state["step"], state["rebalances"]
+        self.smoothed = state["smoothed"]
+        self.sizes = list(state["sizes"])
+        self.loader.set_sizes(self.sizes)
+        log.info("balance: resumed with split %s (samples/s per rank %s)", self.sizes,
+                 None if self.smoothed is None else [round(r) for r in self.smoothed.tolist()])

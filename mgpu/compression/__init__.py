@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import nn
 
 
@@ -19,6 +20,14 @@ class Compression(Protocol):
 
     def register(self, model: nn.Module) -> None:
         """Install the compression on the wrapped model (a DDP comm hook, say)."""
+
+    def begin_step(self, grad_scale: torch.Tensor) -> None:
+        """Before the step's backward: the factor its gradients carry (the loss scale, 1
+        without loss scaling), a tensor on the device, so state is kept in unscaled units."""
+
+    def end_step(self, applied: bool) -> None:
+        """After the optimizer step; `applied` is False where it was skipped (non-finite), so
+        state computed from the step's gradients is dropped, not kept."""
 
     def metrics(self) -> dict[str, float]:
         """`comm/*` figures since the last call (bytes per step, compression ratio), or {}."""

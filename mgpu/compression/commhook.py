@@ -74,6 +74,12 @@ class CommHookCompression:
     def hook(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         raise NotImplementedError
 
+    def begin_step(self, grad_scale: torch.Tensor) -> None:
+        pass
+
+    def end_step(self, applied: bool) -> None:
+        pass
+
     def _measured(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         self.plain_bytes += all_reduce_wire_bytes(bucket.buffer().nbytes, self.world_size)
         if bucket.is_last():  # DDP calls the hook once per bucket per synchronised step

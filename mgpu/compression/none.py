@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -22,6 +23,12 @@ class NoCompression:
 
     def register(self, model: nn.Module) -> None:
         self.model = model if hasattr(model, "_get_ddp_logging_data") else None
+
+    def begin_step(self, grad_scale: torch.Tensor) -> None:
+        pass
+
+    def end_step(self, applied: bool) -> None:
+        pass
 
     def metrics(self) -> dict[str, float]:
         """All-reduce of DDP's buckets, once per step; {} without DDP (no comm hook to count)."""

@@ -1,9 +1,19 @@
 """1-bit sign compression with error feedback: the idea behind 1-bit Adam.
 
 Each rank adds its residual to the gradient bucket, sends the signs packed 8 per byte plus one
-fp32 scale (the mean absolute value), and keeps as its new residual what that missed. The ranks'
-payloads travel by all_gather (gloo and nccl alike); every rank decodes all of them and takes
-the mean, so all ranks apply the same update.
+fp32 scale per parameter (the mean absolute value of its values), and keeps as its new residual
+what that missed. The ranks' payloads travel by all_gather (gloo and nccl alike); every rank
+decodes all of them and takes the mean, so all ranks apply the same update.
+
+A scale per parameter, not per bucket: which bucket a parameter lands in is DDP's choice (its
+bucket size, and the rebuild after the first step of every run, resumed ones too), so with a
+scale per bucket the update would depend on it; per parameter, a resumed run computes exactly
+what the uninterrupted one did.
+
+Residuals are kept in unscaled units (under amp the gradients arrive multiplied by the loss
+scale, which changes between steps), and a step's new residuals are kept only if its optimizer
+step was applied: a skipped non-finite step leaves them as they were, instead of an inf or NaN
+that would poison every later step.
 """
 
 from __future__ import annotations
@@ -32,19 +42,28 @@ def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.to(torch.float32) * 2 - 1
 
 
-def encode(compensated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, transmitted): packed signs + fp32 scale as 4 bytes; the value they stand for."""
-    scale = compensated.abs().mean().to(torch.float32).reshape(1)
-    packed = pack_signs(compensated)
-    transmitted = torch.where(compensated >= 0, scale, -scale).to(compensated.dtype)
-    return torch.cat([packed, scale.view(torch.uint8)]), transmitted
+def spread(scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Each parameter's scale (last dimension) repeated over its `sizes[i]` values."""
+    counts = torch.tensor(sizes, device=scales.device)
+    return scales.repeat_interleave(counts, dim=-1, output_size=sum(sizes))
 
 
-def decode_mean(payloads: torch.Tensor, numel: int) -> torch.Tensor:
-    """The mean over ranks (rows of `payloads`) of each rank's scale x signs."""
-    signs = unpack_signs(payloads[:, :-4], numel)
-    scales = payloads[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)
-    return (signs * scales).mean(dim=0)
+def encode(compensated: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, transmitted) for a bucket whose parameters have `sizes` values each: packed
+    signs + one fp32 scale per parameter (4 bytes each); the value they stand for."""
+    pieces = compensated.split(sizes)
+    scales = torch.stack([piece.abs().mean() for piece in pieces]).to(torch.float32)
+    values = spread(scales, sizes).to(compensated.dtype)
+    transmitted = torch.where(compensated >= 0, values, -values)
+    return torch.cat([pack_signs(compensated), scales.view(torch.uint8)]), transmitted
+
+
+def decode_mean(payloads: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The mean over ranks (rows of `payloads`) of each rank's scales x signs."""
+    scale_bytes = 4 * len(sizes)
+    signs = unpack_signs(payloads[:, :-scale_bytes], sum(sizes))
+    scales = payloads[:, -scale_bytes:].clone(memory_format=torch.contiguous_format)
+    return (signs * spread(scales.view(torch.float32), sizes)).mean(dim=0)
 
 
 class OneBit(CommHookCompression):
@@ -57,15 +76,27 @@ class OneBit(CommHookCompression):
         self.warmup_steps = warmup_steps
         self.step = 0  # synchronised steps so far (resumes with the residuals)
         self.names: dict[int, str] = {}  # id(parameter) -> name
-        # Residuals per parameter, so they survive DDP re-bucketing; each is a view into the
-        # flat residual of the bucket that holds the parameter now.
+        # Residuals per parameter, unscaled, so they survive DDP re-bucketing; each is a view
+        # into the flat residual of the bucket that holds the parameter now.
         self.residuals: dict[str, torch.Tensor] = {}
         self.flat: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket -> (names, flat)
+        self.grad_scale = torch.ones(())  # the factor this step's gradients carry
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residual, its next value)
 
     def register(self, model: nn.Module) -> None:
         module = getattr(model, "module", model)
         self.names = {id(p): name for name, p in module.named_parameters()}
         super().register(model)
+
+    def begin_step(self, grad_scale: torch.Tensor) -> None:
+        self.grad_scale = grad_scale
+
+    def end_step(self, applied: bool) -> None:
+        """Keep the step's new residuals if its update was applied; else drop them."""
+        if applied:
+            for residual, new in self.pending:
+                residual.copy_(new)
+        self.pending.clear()
 
     def hook(self, group, bucket):
         step = self.step
@@ -74,13 +105,15 @@ class OneBit(CommHookCompression):
         if step < self.warmup_steps:
             return self.allreduce_hook(group, bucket)
         buffer = bucket.buffer()
+        sizes = [p.numel() for p in bucket.parameters()]
         residual = self.bucket_residual(bucket)
-        compensated = buffer + residual
-        payload, transmitted = encode(compensated)
-        torch.sub(compensated, transmitted, out=residual)  # what this rank's message missed
+        compensated = buffer + residual * self.grad_scale
+        payload, transmitted = encode(compensated, sizes)
+        # What this rank's message missed, unscaled: the residual once the step is applied.
+        self.pending.append((residual, (compensated - transmitted) / self.grad_scale))
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            buffer.copy_(decode_mean(fut.value(), buffer.numel()))
+            buffer.copy_(decode_mean(fut.value(), sizes))
             return buffer
 
         return self.all_gather(payload, group).then(decompress)
@@ -92,10 +125,11 @@ class OneBit(CommHookCompression):
         layout, flat = self.flat.get(bucket.index(), ((), None))
         if layout == names:
             return flat
+        buffer = bucket.buffer()
         pairs = list(zip(names, params, strict=True))
         pieces = [self.residuals.get(name, torch.zeros_like(p)).reshape(-1) for name, p in pairs]
-        flat = torch.cat(pieces).to(bucket.buffer().dtype)
-        if flat.numel() != bucket.buffer().numel():
+        flat = torch.cat(pieces).to(device=buffer.device, dtype=buffer.dtype)
+        if flat.numel() != buffer.numel():
             raise RuntimeError("DDP bucket is not its parameters laid end to end")
         for (name, param), view in zip(pairs, flat.split([p.numel() for p in params]), strict=True):
             self.residuals[name] = view.view_as(param)

@@ -1,6 +1,18 @@
-"""PowerSGD: each large gradient matrix sent as two rank-r factors (torch's `powerSGD_hook`)."""
+"""PowerSGD: each large gradient matrix sent as two rank-r factors (torch's `powerSGD_hook`).
+
+torch keeps PowerSGD's memories per DDP bucket index: the error-feedback vector (the bucket's
+values end to end) and the warm-start Q factors (one per compressed matrix). DDP lays out its
+buckets anew after the first step of every run: a resumed run's first step has the initial
+layout (one bucket of every parameter in model order), the run it continues had the rebuilt
+one (gradient order, 1 MiB first bucket). So the memories are kept and saved by parameter name,
+and laid out again in whatever bucket holds the parameters when a bucket's layout changes.
+Everything PowerSGD computes is per value or per matrix, so the resumed run computes exactly
+what the uninterrupted one did.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -51,12 +63,27 @@ class PowerSGD(CommHookCompression):
             warm_start=warm_start,
         )
         self.state: PowerSGDState | None = None
+        self.names: dict[int, str] = {}  # id(parameter) -> name
+        self.shapes: dict[str, torch.Size] = {}
+        # bucket index -> (its parameters' names, the step its hook last ran in)
+        self.layouts: dict[int, tuple[tuple[str, ...], int]] = {}
+        # Memories by parameter name, of parameters whose bucket changed or that were loaded:
+        # {"error": {name: values}, "q": {name: Q factor, flat}}
+        self.by_name: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
+        self.steps = 0  # synchronised steps of this process
+
+    def register(self, model: nn.Module) -> None:
+        module = getattr(model, "module", model)
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        self.shapes = {name: p.shape for name, p in module.named_parameters()}
+        super().register(model)
 
     def hook_state(self, model: nn.Module) -> PowerSGDState:
         self.state = PowerSGDState(process_group=model.process_group, **self.settings)
         return self.state
 
     def hook(self, state, bucket):
+        self.follow_layout(state, bucket)
         # torch tallies the elements it all-reduces for each tensor: the plain ones, or the P
         # and Q factors (exactly the sizes of its P/Q buffers); before `start_powerSGD_iter` it
         # all-reduces the whole bucket.
@@ -66,23 +93,93 @@ class PowerSGD(CommHookCompression):
         buffer = bucket.buffer()
         numel = buffer.numel() if plain else state.total_numel_after_compression - tally
         self.count_all_reduce(numel * buffer.element_size())
+        if bucket.is_last():
+            self.steps += 1
         return future
 
-    def state_dict(self) -> dict:
-        """Step count, random generator, and per-bucket error and P/Q buffers (keyed by index).
+    # ---- memories by parameter name -------------------------------------------------------
 
-        Keyed by DDP bucket index, as torch keeps them: they restore exactly into a run whose
-        buckets are laid out alike (same model and `network.bucket_cap_mb`).
-        """
+    def compressed(self, names: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        """(name, P length, Q length) of each matrix torch compresses in a bucket of these
+        parameters, in the order of its P and Q memories: grouped by matrix shape in order of
+        first appearance, bucket order within a group."""
+        rank = self.settings["matrix_approximation_rank"]
+        rate = self.settings["min_compression_rate"]
+        groups: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for name in names:
+            shape = self.shapes[name]
+            n, m = shape[0], math.prod(shape[1:])  # torch views each gradient as (rows, -1)
+            r = min(n, m, rank)
+            if (n + m) * r * rate < n * m:  # torch's rule: worth compressing
+                groups.setdefault((n, m), []).append((name, n * r, m * r))
+        return [matrix for group in groups.values() for matrix in group]
+
+    def split_by_name(self, state: PowerSGDState, index: int, names: tuple[str, ...]
+                      ) -> dict[str, dict[str, torch.Tensor]]:
+        """Bucket `index`'s memories, laid out for `names`, as {"error"/"q": {name: tensor}}."""
+        found: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
+        error = state.error_dict.get(index)
+        if error is not None:
+            sizes = [math.prod(self.shapes[name]) for name in names]
+            found["error"] = dict(zip(names, error.split(sizes), strict=True))
+        q = state.q_memory_dict.get(index)
+        if q is not None:
+            matrices = self.compressed(names)
+            if sum(length for _, _, length in matrices) != q.numel():
+                raise RuntimeError("torch's PowerSGD Q memory is not laid out as expected")
+            pieces = q.split([length for _, _, length in matrices])
+            found["q"] = {name: piece for (name, _, _), piece in zip(matrices, pieces, strict=True)}
+        return found
+
+    def follow_layout(self, state: PowerSGDState, bucket) -> None:
+        """Hand torch this bucket's memories in its current layout: where the layout changed
+        (or state was loaded), from the memories by name."""
+        names = tuple(self.names[id(p)] for p in bucket.parameters())
+        index = bucket.index()
+        if self.layouts.get(index, ((), -1))[0] != names:
+            # The buckets not yet reduced in this step hold final memories: keep them by name.
+            for old, (old_names, last_step) in list(self.layouts.items()):
+                if last_step < self.steps:
+                    for kind, pieces in self.split_by_name(state, old, old_names).items():
+                        self.by_name[kind].update(pieces)
+                    for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+                        memory.pop(old, None)
+                    del self.layouts[old]
+            self.lay_out(state, index, names, bucket.buffer())
+        self.layouts[index] = (names, self.steps)
+
+    def lay_out(self, state: PowerSGDState, index: int, names: tuple[str, ...],
+                like: torch.Tensor) -> None:
+        """Bucket `index`'s memories from the ones by name, once PowerSGD has begun (before,
+        torch creates them: error zero, Q random)."""
+        if state.iter <= state.start_powerSGD_iter:
+            return
+        errors, qs = self.by_name["error"], self.by_name["q"]
+        if state.use_error_feedback and all(name in errors for name in names):
+            values = [errors.pop(name).reshape(-1) for name in names]
+            state.error_dict[index] = torch.cat(values).to(like)
+        matrices = self.compressed(names)
+        if state.warm_start and all(name in qs for name, _, _ in matrices):
+            q = [qs.pop(name) for name, _, _ in matrices]
+            state.q_memory_dict[index] = torch.cat(q).to(like) if q else like.new_empty(0)
+            # P is computed afresh every step; its memory must only exist, or torch draws Q anew.
+            state.p_memory_dict[index] = like.new_empty(sum(p for _, p, _ in matrices))
+
+    def state_dict(self) -> dict:
+        """Step count, random generator, and the error and Q memories by parameter name (they
+        restore into any bucket layout)."""
         state = self._registered()
+        memories = {kind: dict(pieces) for kind, pieces in self.by_name.items()}
+        for index, (names, _) in self.layouts.items():
+            for kind, pieces in self.split_by_name(state, index, names).items():
+                memories[kind].update(pieces)
         kind, keys, pos, has_gauss, cached = state.rng.get_state()
         return {
             "iter": state.iter,
             "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-            "error": {i: t.clone() for i, t in state.error_dict.items()},
-            "p": {i: t.clone() for i, t in state.p_memory_dict.items()},
-            "q": {i: t.clone() for i, t in state.q_memory_dict.items()},
+            **{kind: {name: t.clone() for name, t in pieces.items()}
+               for kind, pieces in memories.items()},
         }
 
     def load_state_dict(self, saved: dict) -> None:
@@ -91,9 +188,11 @@ class PowerSGD(CommHookCompression):
         state.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["pos"],
                              rng["has_gauss"], rng["cached_gaussian"]))
         state.iter = saved["iter"]
-        state.error_dict = {i: t.clone() for i, t in saved["error"].items()}
-        state.p_memory_dict = {i: t.clone() for i, t in saved["p"].items()}
-        state.q_memory_dict = {i: t.clone() for i, t in saved["q"].items()}
+        for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+            memory.clear()
+        self.layouts = {}
+        self.by_name = {kind: {name: t.clone() for name, t in saved[kind].items()}
+                        for kind in ("error", "q")}
 
     def _registered(self) -> PowerSGDState:
         if self.state is None:

@@ -29,6 +29,10 @@ class Precision(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (scaled where the precision needs it)."""
 
+    def grad_scale(self) -> torch.Tensor:
+        """The factor the next backward's gradients carry: the loss scale under amp, else 1.
+        A tensor on the device, read without a host sync."""
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply the optimizer step; return False where the step was skipped (non-finite)."""
 

@@ -73,6 +73,10 @@ class AMP(PrecisionBase):
         scaled = loss.float() * self.scale
         scaled.backward(loss_seed(scaled))
 
+    def grad_scale(self) -> torch.Tensor:
+        """The scale itself, on the device (no host sync); updated only after the step."""
+        return self.scale
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, skip the step if any gradient is not finite, then update the scale."""
         found = nonfinite_grads(optimizer, self.device, self.scale.double().reciprocal().float())

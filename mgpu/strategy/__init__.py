@@ -9,16 +9,28 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from mgpu.parallel import memory_metrics
 from mgpu.precision.padding import unpad_state_dict
 from mgpu.runtime import Runtime
+
+#: Optimizer state in DCP's flat layout, every entry keyed by parameter name
+#: (`state.<name>.exp_avg`, `param_groups.<name>.lr`): ranks holding different parameters
+#: (pipeline stages, ZeRO partitions) write disjoint keys, and a run split another way loads
+#: its own parameters' entries. The nested layout keeps param groups as lists per rank, which
+#: collide across ranks that hold different parameters.
+BY_PARAMETER_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Strategy(Protocol):
@@ -62,6 +74,20 @@ class Strategy(Protocol):
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         """The optimizer over this rank's (local, possibly sharded) parameters."""
         return optim.build(model.parameters(), total_steps)
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """The optimizer's state for a DCP checkpoint, keyed by parameter name (a sharded
+        optimizer's shards as DTensors); also the template a checkpoint loads into. Every rank
+        calls it."""
+        return get_optimizer_state_dict(model, optimizer, options=BY_PARAMETER_NAME)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Put the state `optimizer_state_dict`'s template was loaded with into the optimizer."""
+        set_optimizer_state_dict(model, optimizer, state, options=BY_PARAMETER_NAME)
 
     def forward_backward(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, precision: object,
