@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -248,6 +248,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def first_rank_keeps_replicas() -> DefaultSavePlanner:
+    """A save planner that writes each replicated value from the lowest rank holding it.
+
+    DCP otherwise writes a value every rank holds from whichever rank has the least to write.
+    Replicas that may differ between ranks (batch-norm statistics that fsdp ranks update from
+    their own batches) are then saved from a rank other than the one every rank follows (the
+    first): the resumed run would evaluate with other statistics than the uninterrupted one.
+    """
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
 def pack(tree: Any) -> bytes:
     """`tree` (tensors, numbers, strings in dicts and lists) as one opaque leaf for DCP.
 
@@ -336,10 +347,12 @@ class Checkpointer:
         partial = self.root / f"{step_dir(self.root, step).name}.partial.{self.token}"
         state = train_state(run, step)
         if self.async_save:
-            written = dcp.async_save(state, checkpoint_id=partial, process_group=self.group)
+            written = dcp.async_save(state, checkpoint_id=partial, process_group=self.group,
+                                     planner=first_rank_keeps_replicas())
             self.pending = self.finisher.submit(self._finish, written, partial, step)
         else:
-            dcp.save(state, checkpoint_id=partial, process_group=self.group)
+            dcp.save(state, checkpoint_id=partial, process_group=self.group,
+                     planner=first_rank_keeps_replicas())
             if self.rt.is_main:
                 self.commit(partial, step)
         self.blocked_s.append(time.perf_counter() - started)

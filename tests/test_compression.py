@@ -103,45 +103,56 @@ def test_error_feedback_loses_nothing_across_steps_and_rebucketing(one_rank_grou
     assert set(compression.state_dict()["residuals"]) == set(compression.true_sum)
 
 
-def onebit_residuals_after(steps: int, overrides: list[str], tmp_path) -> torch.Tensor:
-    """A one-process DDP run with onebit from step 1: all its residuals after `steps` steps."""
-    job = make_job(["strategy=ddp", "launch.nproc_per_node=1", "compression=onebit",
-                    "compression.warmup_steps=0", *overrides], tmp_path)
+def error_memory_after(option: str, steps: int, overrides: list[str], tmp_path) -> torch.Tensor:
+    """A one-process DDP run with `option`: its error memories after `steps` steps."""
+    settings, kinds = MEMORIES[option]
+    job = make_job(["strategy=ddp", "launch.nproc_per_node=1", f"compression={option}",
+                    *settings, *overrides], tmp_path)
     run = Run.build(job, Runtime(0, 0, 1, 1, torch.device("cpu"), tmp_path), None)
     for _ in range(steps):
         run.train_step()
-    residuals = torch.cat([r.reshape(-1) for r in run.compression.residuals.values()])
+    memories = run.compression.state_dict()[kinds[0]]
     run.close()
-    return residuals
+    return torch.cat([m.reshape(-1) for m in memories.values()])
 
 
 @pytest.mark.dist
-def test_onebit_keeps_residuals_in_unscaled_units_under_amp(one_rank_group, tmp_path):
+@pytest.mark.parametrize("option", ["onebit", "powersgd"])
+def test_error_memory_is_kept_in_unscaled_units_under_amp(option, one_rank_group, tmp_path):
     """Under amp the gradients arrive times the loss scale, here 1024 doubling every step; the
-    residuals are kept without it: the size fp32 training leaves them, not 1024-16384x that."""
-    fp32 = onebit_residuals_after(4, ["precision=fp32"], tmp_path / "fp32")
-    amp = onebit_residuals_after(4, ["precision=amp", "precision.init_scale=1024",
-                                     "precision.growth_interval=1"], tmp_path / "amp")
+    error memory (compressing from step 3) is kept without it: the size fp32 training leaves
+    it, not 4096-32768x that."""
+    fp32 = error_memory_after(option, 6, ["precision=fp32"], tmp_path / "fp32")
+    amp = error_memory_after(option, 6, ["precision=amp", "precision.init_scale=1024",
+                                         "precision.growth_interval=1"], tmp_path / "amp")
     assert 0.5 < amp.norm() / fp32.norm() < 2, (amp.norm(), fp32.norm())
 
 
-NONFINITE_AT = 5  # after onebit's warm-up (2 steps): rank 1's gradient is made +inf
+NONFINITE_AT = 5  # after each option's warm-up (2 steps): rank 1's gradient is made +inf
+# Where each option keeps the memories a non-finite step must not reach.
+MEMORIES = {
+    "onebit": (["compression.warmup_steps=2"], ("residuals",)),
+    "powersgd": (["compression.start_powerSGD_iter=2"], ("error", "q")),
+}
 
 
 @pytest.mark.dist
-def test_a_nonfinite_step_under_onebit_is_skipped_once_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("option", MEMORIES)
+def test_a_nonfinite_step_is_skipped_once_and_compression_memories_stay_finite(option, tmp_path):
     """One inf gradient after the warm-up: that step is skipped on both ranks, each rank's
-    residuals keep their values instead of turning inf/NaN, and every later step applies."""
+    error-feedback memories keep their values instead of turning inf/NaN, and every later
+    step applies."""
+    settings, kinds = MEMORIES[option]
     summary, weights = launch_job(
-        [*QUICK, "train.steps=12", "compression=onebit", "compression.warmup_steps=2",
+        [*QUICK, "train.steps=12", f"compression={option}", *settings,
          "fault.mode=nonfinite_grad", f"fault.at_step={NONFINITE_AT}", "fault.kill_rank=1",
          "checkpoint.every_steps=12"], tmp_path)
     for rank in (0, 1):
         log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
         assert log.count("optimizer step skipped") == 1, rank
         saved = saved_rank_state(tmp_path / "checkpoints" / "step_00000012", rank)
-        residuals = saved["compression"]["residuals"]
-        assert residuals and all(r.isfinite().all() for r in residuals.values()), rank
+        memories = [m for kind in kinds for m in saved["compression"][kind].values()]
+        assert memories and all(m.isfinite().all() for m in memories), rank
     assert math.isfinite(summary["train/loss"]) and math.isfinite(summary["eval/loss"])
     assert all(w.isfinite().all() for w in weights.values())
 

@@ -56,7 +56,7 @@ class HalfPrecisionWire:
 
         model.register_comm_hook(None, fp16_compress_hook)
 
-    def begin_step(self, grad_scale: torch.Tensor) -> None:
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         pass
 
     def end_step(self, applied: bool) -> None:

@@ -21,9 +21,9 @@ class Compression(Protocol):
     def register(self, model: nn.Module) -> None:
         """Install the compression on the wrapped model (a DDP comm hook, say)."""
 
-    def begin_step(self, grad_scale: torch.Tensor) -> None:
-        """Before the step's backward: the factor its gradients carry (the loss scale, 1
-        without loss scaling), a tensor on the device, so state is kept in unscaled units."""
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
+        """Before the step's backward: the factor its gradients carry (the loss scale, a
+        tensor on the device; None without loss scaling), so state is kept in unscaled units."""
 
     def end_step(self, applied: bool) -> None:
         """After the optimizer step; `applied` is False where it was skipped (non-finite), so

@@ -74,7 +74,7 @@ class CommHookCompression:
     def hook(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         raise NotImplementedError
 
-    def begin_step(self, grad_scale: torch.Tensor) -> None:
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         pass
 
     def end_step(self, applied: bool) -> None:

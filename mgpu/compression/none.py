@@ -24,7 +24,7 @@ class NoCompression:
     def register(self, model: nn.Module) -> None:
         self.model = model if hasattr(model, "_get_ddp_logging_data") else None
 
-    def begin_step(self, grad_scale: torch.Tensor) -> None:
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         pass
 
     def end_step(self, applied: bool) -> None:

@@ -80,7 +80,7 @@ class OneBit(CommHookCompression):
         # into the flat residual of the bucket that holds the parameter now.
         self.residuals: dict[str, torch.Tensor] = {}
         self.flat: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket -> (names, flat)
-        self.grad_scale = torch.ones(())  # the factor this step's gradients carry
+        self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residual, its next value)
 
     def register(self, model: nn.Module) -> None:
@@ -88,7 +88,7 @@ class OneBit(CommHookCompression):
         self.names = {id(p): name for name, p in module.named_parameters()}
         super().register(model)
 
-    def begin_step(self, grad_scale: torch.Tensor) -> None:
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         self.grad_scale = grad_scale
 
     def end_step(self, applied: bool) -> None:
@@ -107,10 +107,12 @@ class OneBit(CommHookCompression):
         buffer = bucket.buffer()
         sizes = [p.numel() for p in bucket.parameters()]
         residual = self.bucket_residual(bucket)
-        compensated = buffer + residual * self.grad_scale
+        scale = self.grad_scale
+        compensated = buffer + (residual if scale is None else residual * scale)
         payload, transmitted = encode(compensated, sizes)
         # What this rank's message missed, unscaled: the residual once the step is applied.
-        self.pending.append((residual, (compensated - transmitted) / self.grad_scale))
+        missed = compensated - transmitted
+        self.pending.append((residual, missed if scale is None else missed / scale))
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
             buffer.copy_(decode_mean(fut.value(), sizes))

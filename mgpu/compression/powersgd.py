@@ -8,6 +8,13 @@ one (gradient order, 1 MiB first bucket). So the memories are kept and saved by 
 and laid out again in whatever bucket holds the parameters when a bucket's layout changes.
 Everything PowerSGD computes is per value or per matrix, so the resumed run computes exactly
 what the uninterrupted one did.
+
+The error memory is kept in unscaled units: under amp the gradients arrive multiplied by the
+loss scale, which changes between steps, so it is scaled for the hook and unscaled after. A
+step whose optimizer step is skipped (non-finite gradients) leaves the memories as they were
+before it, instead of the inf/NaN it computed, which would poison every later step: torch
+replaces each bucket's error memory with a new tensor every step, so the old one is kept by
+reference, and the small Q factors, updated in place, are copied.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ class PowerSGD(CommHookCompression):
         # {"error": {name: values}, "q": {name: Q factor, flat}}
         self.by_name: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
         self.steps = 0  # synchronised steps of this process
+        self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
+        # bucket index -> (error memory, copy of Q memory) before this step, None where absent
+        self.before: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
     def register(self, model: nn.Module) -> None:
         module = getattr(model, "module", model)
@@ -82,8 +92,24 @@ class PowerSGD(CommHookCompression):
         self.state = PowerSGDState(process_group=model.process_group, **self.settings)
         return self.state
 
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
+        self.grad_scale = grad_scale
+
+    def end_step(self, applied: bool) -> None:
+        """A skipped step leaves the memories as they were before it."""
+        if not applied and self.state is not None:
+            for index, (error, q) in self.before.items():
+                restore(self.state.error_dict, index, error)
+                restore(self.state.q_memory_dict, index, q)
+        self.before.clear()
+
     def hook(self, state, bucket):
         self.follow_layout(state, bucket)
+        index, scale = bucket.index(), self.grad_scale
+        error, q = state.error_dict.get(index), state.q_memory_dict.get(index)
+        self.before[index] = (error, None if q is None else q.clone())
+        if scale is not None and error is not None:
+            state.error_dict[index] = error * scale
         # torch tallies the elements it all-reduces for each tensor: the plain ones, or the P
         # and Q factors (exactly the sizes of its P/Q buffers); before `start_powerSGD_iter` it
         # all-reduces the whole bucket.
@@ -95,7 +121,15 @@ class PowerSGD(CommHookCompression):
         self.count_all_reduce(numel * buffer.element_size())
         if bucket.is_last():
             self.steps += 1
-        return future
+        if scale is None:
+            return future
+
+        def unscale_error(fut: torch.futures.Future) -> torch.Tensor:
+            if index in state.error_dict:
+                state.error_dict[index].div_(scale)
+            return fut.value()
+
+        return future.then(unscale_error)
 
     # ---- memories by parameter name -------------------------------------------------------
 
@@ -198,3 +232,11 @@ class PowerSGD(CommHookCompression):
         if self.state is None:
             raise RuntimeError("PowerSGD state exists once register(model) has run")
         return self.state
+
+
+def restore(memory: dict[int, torch.Tensor], index: int, saved: torch.Tensor | None) -> None:
+    """Put `saved` back as bucket `index`'s memory, or remove it where there was none."""
+    if saved is None:
+        memory.pop(index, None)
+    else:
+        memory[index] = saved

@@ -29,9 +29,9 @@ class Precision(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (scaled where the precision needs it)."""
 
-    def grad_scale(self) -> torch.Tensor:
-        """The factor the next backward's gradients carry: the loss scale under amp, else 1.
-        A tensor on the device, read without a host sync."""
+    def grad_scale(self) -> torch.Tensor | None:
+        """The factor the next backward's gradients carry: the loss scale under amp (a tensor
+        on the device, read without a host sync), None where the loss is not scaled."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply the optimizer step; return False where the step was skipped (non-finite)."""

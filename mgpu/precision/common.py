@@ -88,7 +88,6 @@ class PrecisionBase:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.max_nonfinite_steps = max_nonfinite_steps
         self.device = torch.device("cpu")
-        self.one = torch.ones(())  # the gradient scale without loss scaling
         self.sync_flag = False  # all-reduce the non-finite flag (see the module docstring)
         self.steps = 0  # optimizer steps seen, skipped or not
         self.skipped_steps = 0
@@ -101,15 +100,14 @@ class PrecisionBase:
     def attach(self, model: nn.Module, device: torch.device) -> None:
         """After the strategy wrapped the model: learn the device and whether ranks may differ."""
         self.device = device
-        self.one = torch.ones((), device=device)
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1
         self.sync_flag = several_ranks and not isinstance(model, DistributedDataParallel)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward(loss_seed(loss))
 
-    def grad_scale(self) -> torch.Tensor:
-        return self.one
+    def grad_scale(self) -> torch.Tensor | None:
+        return None
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         found = nonfinite_grads(optimizer, self.device)
