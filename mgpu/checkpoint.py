@@ -221,14 +221,26 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 # ---- what is saved ---------------------------------------------------------------------------
 
 
+def numpy_rng_saved(state: tuple) -> dict[str, Any]:
+    """A numpy MT19937 state (`RandomState.get_state()`) as a tensor and numbers, which load
+    weights-only (numpy arrays do not)."""
+    _, keys, pos, has_gauss, gauss = state
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def numpy_rng_loaded(saved: dict[str, Any]) -> tuple:
+    """The state `numpy_rng_saved` took, for `RandomState.set_state`."""
+    return ("MT19937", saved["keys"].numpy().astype(np.uint32), saved["pos"],
+            saved["has_gauss"], saved["gauss"])
+
+
 def rng_state() -> dict[str, Any]:
     """torch, numpy and python RNG states as tensors and numbers (loadable weights-only)."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": numpy_rng_saved(np.random.get_state()),
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
                    "gauss": py_gauss},
     }
@@ -239,9 +251,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    numpy = state["numpy"]
-    np.random.set_state(("MT19937", numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                         numpy["has_gauss"], numpy["gauss"]))
+    np.random.set_state(numpy_rng_loaded(state["numpy"]))
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
     if "cuda" in state and torch.cuda.is_available():

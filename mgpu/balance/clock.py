@@ -22,10 +22,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from mgpu.runtime import Runtime
 from mgpu.straggler import Straggler
 
 
@@ -107,16 +105,3 @@ class StepClock:
         self.sums["busy_s"] += busy
         self.busy_per_sample.append(busy / max(samples, 1))
         self.sums["wait_s"] += self._seconds(ready, end)
-
-
-def gather_rows(values: list[float], rt: Runtime) -> torch.Tensor:
-    """Every rank's `values` as one (world size x len(values)) float64 tensor, on every rank.
-
-    An all-reduce of a zero matrix holding this rank's row: x + 0 is exact, so all ranks see
-    bitwise the same numbers and make the same decisions from them.
-    """
-    rows = torch.zeros(rt.world_size, len(values), dtype=torch.float64, device=rt.device)
-    rows[rt.rank] = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(rows)
-    return rows.cpu()

@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.data import Dataset
 
-from mgpu.balance.clock import StepClock, gather_rows
+from mgpu.balance.clock import StepClock
 from mgpu.data.loader import TrainBatches
-from mgpu.runtime import Runtime
+from mgpu.runtime import Runtime, gather_rows
 from mgpu.straggler import Straggler
 
 

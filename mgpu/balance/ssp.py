@@ -29,10 +29,9 @@ from torch import nn
 from torch.distributed import GradBucket
 from torch.futures import Future, collect_all
 
-from mgpu.balance.clock import gather_rows
 from mgpu.balance.none import EqualSplit
 from mgpu.errors import ConfigError
-from mgpu.runtime import Runtime
+from mgpu.runtime import Runtime, gather_rows
 
 
 def completed(tensor: torch.Tensor) -> Future:

@@ -16,9 +16,10 @@ import logging
 import pynvml
 import torch
 
-from mgpu.balance.clock import gather_rows
 from mgpu.balance.throughput import Throughput
 from mgpu.errors import ConfigError
+from mgpu.nvml import device_handle
+from mgpu.runtime import gather_rows
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,7 @@ def predicted_speed(device: torch.device, margin_c: float) -> float | None:
     if device.type != "cuda":
         return None
     try:
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)  # NVML wants "GPU-<uuid>"
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU") else f"GPU-{uuid}")
+        handle = device_handle(device)
         clock = pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
         max_clock = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
         temperature = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)

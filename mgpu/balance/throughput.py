@@ -25,9 +25,9 @@ import statistics
 
 import torch
 
-from mgpu.balance.clock import gather_rows
 from mgpu.balance.none import EqualSplit
 from mgpu.errors import ConfigError
+from mgpu.runtime import gather_rows
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from mgpu.checkpoint import numpy_rng_loaded, numpy_rng_saved
 from mgpu.compression.commhook import CommHookCompression
 from mgpu.errors import ConfigError
 
@@ -207,20 +208,16 @@ class PowerSGD(CommHookCompression):
         for index, (names, _) in self.layouts.items():
             for kind, pieces in self.split_by_name(state, index, names).items():
                 memories[kind].update(pieces)
-        kind, keys, pos, has_gauss, cached = state.rng.get_state()
         return {
             "iter": state.iter,
-            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "rng": numpy_rng_saved(state.rng.get_state()),
             **{kind: {name: t.clone() for name, t in pieces.items()}
                for kind, pieces in memories.items()},
         }
 
     def load_state_dict(self, saved: dict) -> None:
         state = self._registered()
-        rng = saved["rng"]
-        state.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["pos"],
-                             rng["has_gauss"], rng["cached_gaussian"]))
+        state.rng.set_state(numpy_rng_loaded(saved["rng"]))
         state.iter = saved["iter"]
         for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
             memory.clear()

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from mgpu.monitor.comm import CommMeter
@@ -28,7 +27,7 @@ from mgpu.monitor.profiler import StepProfiler
 from mgpu.monitor.prometheus import Exporter
 from mgpu.monitor.telemetry import Telemetry
 from mgpu.monitor.timing import PHASES, NullTimer, PhaseTimer
-from mgpu.runtime import Runtime
+from mgpu.runtime import Runtime, gather_rows
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class Monitor:
             float(np.mean([w[key] for w in window])) if window else math.nan
             for key in WINDOW_KEYS
         ] + self.telemetry.window()
-        table = self.gather(local)
+        table = gather_rows(local, self.rt).numpy()
         if not self.rt.is_main:
             return {}
         out = self.timer.percentiles()
@@ -109,15 +108,6 @@ class Monitor:
         if self.mfu and "train/samples_per_s" in metrics:
             out["train/mfu"] = self.mfu(metrics["train/samples_per_s"])
         return out
-
-    def gather(self, row: list[float]) -> np.ndarray:
-        """Every rank's row as a (world size x len(row)) table: one all-reduce of a small tensor."""
-        rt = self.rt
-        table = torch.zeros(rt.world_size, len(row), dtype=torch.float64, device=rt.device)
-        table[self.rt.rank] = torch.tensor(row, dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(table)
-        return table.cpu().numpy()
 
     def across_ranks(self, table: np.ndarray, wire_bytes: float | None) -> dict[str, float]:
         """Stragglers, communication and telemetry of the window, from the gathered table.

@@ -31,8 +31,9 @@ def nvml_reader(device: torch.device) -> Callable[[], dict[str, float]] | None:
     try:
         import pynvml
 
-        pynvml.nvmlInit()
-        handle = _nvml_handle(pynvml, device)
+        from mgpu.nvml import device_handle
+
+        handle = device_handle(device)
     except Exception as e:  # no driver library, no permission, ...: telemetry degrades
         log.warning("NVML not available (%s): GPU telemetry off, CPU and RAM only", e)
         return None
@@ -49,17 +50,6 @@ def nvml_reader(device: torch.device) -> Callable[[], dict[str, float]] | None:
         }
 
     return read
-
-
-def _nvml_handle(pynvml, device: torch.device):
-    """NVML's handle for the torch device: by UUID, since CUDA_VISIBLE_DEVICES renumbers GPUs."""
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    if uuid is not None:
-        try:
-            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        except pynvml.NVMLError:
-            pass
-    return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 
 class Telemetry:
