@@ -77,7 +77,7 @@ class Monitor:
             self.timer.end_step(step)
         if self.profiler:
             recording = self.profiler.after_step(step)
-            if recording is not None and self.enabled:
+            if self.enabled:
                 self.timer.annotate = recording
         self.window_steps += 1
 
@@ -151,6 +151,8 @@ class Monitor:
             self.telemetry.stop()
         if self.exporter:
             self.exporter.close()
+        if self.profiler:
+            self.profiler.close()
         if self.profiler and self.profiler.written and self.run_id:
             try:
                 MlflowClient(self.uri).log_artifact(
