@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from mgpu import checkpoint, launch, tracking, worker
-from mgpu.config import GROUPS, instantiate_settings, prepare
+from mgpu.config import GROUPS, Job, build, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
@@ -42,19 +42,19 @@ def run_job(cfg: DictConfig) -> float:
     overrides = list(hydra_cfg.overrides.task)
     torchrun = launch.torchrun_world()
     job = prepare(cfg, torch.cuda.device_count(), torchrun)
-    task = instantiate_settings(job["task"])
+    task = build(job.task)
     if torchrun:
         summary = worker.main_under_torchrun(job, choices, overrides)
         return summary[task.objective]
 
-    uri = job["tracking"]["uri"]
-    env = instantiate_settings(job["network"]).prepare_node(Path(job["output_dir"]))
+    uri = job.tracking.uri
+    env = build(job.network).prepare_node(Path(job.output_dir))
     run_id = None
-    if job["tracking"]["enabled"]:
+    if job.tracking.enabled:
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
         run_id = resumed or tracking.start_job_run(job, choices, overrides)
         if not resumed:
-            tracking.log_env(uri, run_id, env, Path(job["output_dir"]) / TOPOLOGY_FILE)
+            tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
     try:
         with system_metrics(job, run_id):  # sampled here, off the training ranks
             results = launch.launch(job, run_id, env)
@@ -64,7 +64,7 @@ def run_job(cfg: DictConfig) -> float:
         if run_id:
             tracking.finish_run(uri, run_id, "FAILED" if failed else "KILLED", error=error)
         if failed:
-            raise RunFailed(f"{error} (logs: {job['output_dir']}/logs)") from None
+            raise RunFailed(f"{error} (logs: {job.output_dir}/logs)") from None
         raise
     summary = results[min(results)]
     if run_id:
@@ -73,19 +73,19 @@ def run_job(cfg: DictConfig) -> float:
     return summary[task.objective]
 
 
-def report(job: dict, run_id: str | None, summary: dict[str, float], headline: str) -> None:
+def report(job: Job, run_id: str | None, summary: dict[str, float], headline: str) -> None:
     """Write summary.json and tell the user where the results are and how to open them."""
-    out = Path(job["output_dir"])
+    out = Path(job.output_dir)
     (out / "summary.json").write_text(json.dumps({"run_id": run_id, **summary}, indent=2))
     print(
         f"mgpu: done. {headline}\n"
         f"  outputs: {out} (model.pt, summary.json, logs/)"
     )
     if run_id:
-        experiment = MlflowClient(job["tracking"]["uri"]).get_run(run_id).info.experiment_id
+        experiment = MlflowClient(job.tracking.uri).get_run(run_id).info.experiment_id
         print(
-            f"  MLflow:  run {run_id} in experiment '{job['tracking']['experiment']}' "
-            f"at {job['tracking']['uri']}\n"
+            f"  MLflow:  run {run_id} in experiment '{job.tracking.experiment}' "
+            f"at {job.tracking.uri}\n"
             f"  open:    make ui, then http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run_id}"
         )
 

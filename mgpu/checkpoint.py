@@ -30,6 +30,7 @@ leaf (`pack`), which DCP writes as bytes and loads whole, whatever the template 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from mgpu.errors import ConfigError
 
 if TYPE_CHECKING:
+    from mgpu.config import Job
     from mgpu.run import Run
     from mgpu.runtime import Runtime
 
@@ -125,22 +127,23 @@ def sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def check_checkpoint(job: dict) -> None:
-    """Checkpoint settings and `resume`, checked in the parent; paths made absolute.
+def check_checkpoint(job: Job) -> Job:
+    """Checkpoint settings and `resume`, checked in the parent; returns the job with its paths
+    made absolute.
 
     `resume=<path>` is replaced by the checkpoint folder it names. A run that does not resume
     from `checkpoint.dir` must not write into one that holds checkpoints: it would replace them.
     """
-    cfg = job["checkpoint"]
-    if cfg["every_steps"] < 0:
-        raise ConfigError(f"checkpoint.every_steps={cfg['every_steps']}: must be >= 0 (0 = none)")
-    if cfg["keep_last"] < 1:
-        raise ConfigError(f"checkpoint.keep_last={cfg['keep_last']}: must be >= 1")
-    root = Path(cfg["dir"]).resolve()
-    cfg["dir"] = str(root)
-    resume = str(job["resume"])
+    cfg = job.checkpoint
+    if cfg.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps={cfg.every_steps}: must be >= 0 (0 = none)")
+    if cfg.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={cfg.keep_last}: must be >= 1")
+    root = Path(cfg.dir).resolve()
+    job = dataclasses.replace(job, checkpoint=dataclasses.replace(cfg, dir=str(root)))
+    resume = str(job.resume)
     if resume == "auto":
-        return
+        return job
     if resume != "none":
         path = Path(resume).resolve()
         if not COMMITTED.match(path.name):
@@ -151,24 +154,25 @@ def check_checkpoint(job: dict) -> None:
                 f"resume={resume}: not a valid checkpoint ({reason}); give a step_* folder of a "
                 "checkpoint.dir, a checkpoint.dir, auto or none"
             )
-        job["resume"] = str(path)
-    if committed(root) and Path(job["resume"]).parent != root:
+        job = dataclasses.replace(job, resume=str(path))
+    if committed(root) and Path(job.resume).parent != root:
         raise ConfigError(
             f"checkpoint.dir={root} holds checkpoints of an earlier run and resume={resume} "
             "would overwrite them; use resume=auto to continue that run, or another checkpoint.dir"
         )
+    return job
 
 
-def resume_source(job: dict, report: bool = True) -> Path | None:
+def resume_source(job: Job, report: bool = True) -> Path | None:
     """The checkpoint a (re)started run loads: the newest valid one in `checkpoint.dir`, else
     the one `resume=<path>` names, else none. Restarted worker groups land here too."""
-    newest = newest_valid(Path(job["checkpoint"]["dir"]), report)
+    newest = newest_valid(Path(job.checkpoint.dir), report)
     if newest is not None:
         return newest
-    return Path(job["resume"]) if job["resume"] not in ("auto", "none") else None
+    return Path(job.resume) if job.resume not in ("auto", "none") else None
 
 
-def resumed_run_id(job: dict) -> str | None:
+def resumed_run_id(job: Job) -> str | None:
     """The MLflow run of the checkpoint this job resumes from, so it continues that run."""
     source = resume_source(job, report=False)  # rank 0 reports what it skips
     return manifest(source).get("run_id") if source else None
@@ -324,12 +328,12 @@ def apply_train_state(run: Run, state: dict[str, Any]) -> int:
 class Checkpointer:
     """Saves on schedule (sync or async), commits on rank 0, restores at start-up."""
 
-    def __init__(self, job: dict, rt: Runtime, run_id: str | None) -> None:
-        cfg = job["checkpoint"]
+    def __init__(self, job: Job, rt: Runtime, run_id: str | None) -> None:
+        cfg = job.checkpoint
         self.job, self.rt, self.run_id = job, rt, run_id
-        self.root = Path(cfg["dir"])
+        self.root = Path(cfg.dir)
         self.every, self.keep_last, self.async_save = (
-            cfg["every_steps"], cfg["keep_last"], cfg["async_save"])
+            cfg.every_steps, cfg.keep_last, cfg.async_save)
         # DCP's own collectives run in a separate gloo group: an async save overlapping the
         # training collectives on the default group crashes gloo.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None

@@ -1,16 +1,20 @@
-"""Root schema and validation: everything that can be wrong with a config fails here.
+"""The typed job, and validation: everything that can be wrong with a config fails here.
 
-Hydra composes `conf/config.yaml` against the schema below, so unknown root keys and wrong
-types fail at composition. Group nodes (strategy, model, ...) have no dataclass of their own:
-the constructor of their `_target_` is their schema, checked by `check_group`. `prepare` then
-runs the cross-group rules (`mgpu.support`, from what each option declares) and resolves the
-config once into the plain dict every worker gets.
+The root sections are the frozen dataclasses below; `Job` holds them and the group nodes. Hydra
+composes `conf/config.yaml` against an editable copy of them (`hydra_schema`), so unknown root
+keys and wrong types fail at composition. Group nodes (strategy, model, ...) have no dataclass
+of their own: the constructor of their `_target_` is their schema, checked by `check_group`,
+and they stay plain dicts of its arguments. `prepare` resolves the config once into the `Job`
+every worker gets (pickled), then runs the cross-group rules (`mgpu.support`, from what each
+option declares) and each option's own checks on it. A misspelt field is an AttributeError
+where it is read, in the parent, before anything starts.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -32,34 +36,44 @@ GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
 )
 FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad")
+DERIVED = {"derived": True}  # field metadata: set by `prepare`, not by the user
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConf:
+    """How long to train and how often to log."""
+
     steps: int = 500  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step
     warmup_steps: int = 20  # steps left out of throughput and step-time figures (<= steps / 2)
     log_every: int = 25  # steps between metric points
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConf:
+    """Evaluation on the validation split."""
+
     every_steps: int = 100  # 0 = only at the end
     batch_size: int = 512  # per rank
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchConf:
-    nproc_per_node: str = "auto"  # "auto" or a positive integer
+    """Processes, nodes and the collective timeout."""
+
+    nproc_per_node: Any = "auto"  # "auto" or a positive integer; the number, once prepared
     nnodes: str = "1"  # "N" or "MIN:MAX"
     rdzv_endpoint: str = ""  # host:port; empty = this machine on a free port
     max_restarts: int = 0
     timeout_s: int = 300  # collective timeout in seconds
+    world_size: int = field(default=0, metadata=DERIVED)  # nodes x processes per node
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackingConf:
+    """Where and under which names the run is recorded in MLflow."""
+
     enabled: bool = True
     uri: str | None = None
     experiment: str = "mgpu"
@@ -67,8 +81,10 @@ class TrackingConf:
     system_metrics: bool = False  # MLflow's own CPU/GPU/memory sampling, logged by rank 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class MonitorConf:
+    """Optional per-step figures beyond the defaults."""
+
     enabled: bool = False  # step-phase breakdown, comm timing, telemetry, MFU (mgpu/monitor/)
     interval_s: float = 5.0  # telemetry sampling period
     prometheus_port: int | None = None  # None = no exporter; rank r serves on port + local rank
@@ -78,30 +94,38 @@ class MonitorConf:
     profile_steps: int = 3  # profiled steps
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConf:
+    """DCP checkpoints: how often, how many, where."""
+
     every_steps: int = 100  # steps between checkpoints; 0 = none
     keep_last: int = 2  # committed checkpoints kept; older ones are deleted
     async_save: bool = False  # write in the background while training goes on
     dir: str = MISSING  # where checkpoints go (default: <output_dir>/checkpoints)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FaultConf:
+    """A failure injected on purpose, for tests and demonstrations."""
+
     mode: str | None = None  # None | exception | sigkill | hang | nonfinite_grad
     kill_rank: int = 0
     at_step: int = 0
     every_attempt: bool = False  # fail on restarted attempts too (a rank that always fails)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StragglerConf:
+    """Simulated slow ranks."""
+
     slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per rank; [] = off
     jitter_s: float = 0.0  # mean of a random (exponential) extra delay per step and rank
 
 
-@dataclass
-class MgpuConfig:
+@dataclass(frozen=True)
+class Job:
+    """One resolved job: root sections typed, group nodes as the arguments of their class."""
+
     seed: int = 0
     output_dir: str = MISSING
     resume: str = "auto"  # auto | none | path of a checkpoint
@@ -113,18 +137,53 @@ class MgpuConfig:
     fault: FaultConf = field(default_factory=FaultConf)
     monitor: MonitorConf = field(default_factory=MonitorConf)
     straggler: StragglerConf = field(default_factory=StragglerConf)
-    strategy: Any = MISSING
-    precision: Any = MISSING
-    compression: Any = MISSING
-    network: Any = MISSING
-    balance: Any = MISSING
-    model: Any = MISSING
-    data: Any = MISSING
-    optim: Any = MISSING
-    task: Any = MISSING
+    strategy: dict[str, Any] = MISSING
+    precision: dict[str, Any] = MISSING
+    compression: dict[str, Any] = MISSING
+    network: dict[str, Any] = MISSING
+    balance: dict[str, Any] = MISSING
+    model: dict[str, Any] = MISSING
+    data: dict[str, Any] = MISSING
+    optim: dict[str, Any] = MISSING
+    task: dict[str, Any] = MISSING
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain nested dicts and lists: for MLflow params and the run's config.yaml."""
+        return dataclasses.asdict(self)
 
 
-ConfigStore.instance().store(name="mgpu_schema", node=MgpuConfig)
+@functools.cache
+def hydra_schema(cls: type) -> type:
+    """`cls` as an editable dataclass without the fields mgpu derives, for Hydra to compose
+    against: composition sets values one by one, which a frozen dataclass refuses, and a
+    derived field is no option a user may set."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("derived"):
+            continue
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            fields.append((f.name, hydra_schema(kind), field(default_factory=hydra_schema(kind))))
+        elif kind == dict[str, Any]:  # a group node: its own class checks it (check_group)
+            fields.append((f.name, Any, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, kind, field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind, f.default))
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def typed(cls: type, values: dict[str, Any]) -> Any:
+    """The dataclass `cls` from nested dicts (its nested dataclass fields built alike)."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{
+        name: typed(hints[name], value) if dataclasses.is_dataclass(hints[name]) else value
+        for name, value in values.items()
+    })
+
+
+ConfigStore.instance().store(name="mgpu_schema", node=hydra_schema(Job))
 
 
 def _signature_schema(target: Any, skip: set[str]) -> type:
@@ -205,25 +264,25 @@ def resolve_nproc(value: str, fixed: int | None, cuda_devices: int) -> int:
     return nproc
 
 
-def check_root_schema(job: dict) -> None:
+def check_root_schema(values: dict) -> None:
     """The root sections against the schema: catches keys added with `+` that Hydra let in."""
-    root = {key: value for key, value in job.items() if key not in GROUPS}
+    root = {key: value for key, value in values.items() if key not in GROUPS}
     try:
-        OmegaConf.merge(OmegaConf.structured(MgpuConfig), root)
+        OmegaConf.merge(OmegaConf.structured(hydra_schema(Job)), root)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key}: {e.msg.strip().splitlines()[0]}") from None
 
 
-def check_root(job: dict) -> None:
+def check_root(values: dict) -> None:
     """Rules on the root sections alone."""
-    train, launch, fault = job["train"], job["launch"], job["fault"]
+    train, launch, fault = values["train"], values["launch"], values["fault"]
     _positive("train.steps", train["steps"])
     _positive("train.grad_accum", train["grad_accum"])
     _positive("train.log_every", train["log_every"])
     _positive("train.warmup_steps", train["warmup_steps"], 0)
     cap_warmup(train)
-    _positive("eval.every_steps", job["eval"]["every_steps"], 0)
-    _positive("eval.batch_size", job["eval"]["batch_size"])
+    _positive("eval.every_steps", values["eval"]["every_steps"], 0)
+    _positive("eval.batch_size", values["eval"]["batch_size"])
     _positive("launch.max_restarts", launch["max_restarts"], 0)
     _positive("launch.timeout_s", launch["timeout_s"])
     if fault["mode"] is not None and fault["mode"] not in FAULT_MODES:
@@ -244,18 +303,18 @@ def cap_warmup(train: dict) -> None:
         train["warmup_steps"] = cap
 
 
-def check_monitor(job: dict) -> None:
-    monitor, steps = job["monitor"], job["train"]["steps"]
-    if monitor["interval_s"] <= 0:
-        raise ConfigError(f"monitor.interval_s={monitor['interval_s']}: must be > 0")
-    port = monitor["prometheus_port"]
-    if port is not None and not 1024 <= port <= 65535 - job["launch"]["nproc_per_node"]:
+def check_monitor(job: Job) -> None:
+    monitor, steps = job.monitor, job.train.steps
+    if monitor.interval_s <= 0:
+        raise ConfigError(f"monitor.interval_s={monitor.interval_s}: must be > 0")
+    port = monitor.prometheus_port
+    if port is not None and not 1024 <= port <= 65535 - job.launch.nproc_per_node:
         raise ConfigError(
             f"monitor.prometheus_port={port}: use a port in 1024..65535 (rank r serves on "
             f"port + local rank), or null for no exporter"
         )
-    if monitor["profile"]:
-        start, count = monitor["profile_start_step"], monitor["profile_steps"]
+    if monitor.profile:
+        start, count = monitor.profile_start_step, monitor.profile_steps
         _positive("monitor.profile_start_step", start, 2)
         _positive("monitor.profile_steps", count)
         if start + count - 1 > steps:
@@ -265,9 +324,9 @@ def check_monitor(job: dict) -> None:
             )
 
 
-def check_batch(job: dict, world_size: int) -> None:
+def check_batch(job: Job) -> None:
     """The global batch must split into equal micro-batches over ranks and accumulation steps."""
-    batch, accum = job["data"]["batch_size"], job["train"]["grad_accum"]
+    batch, accum, world_size = job.data["batch_size"], job.train.grad_accum, job.launch.world_size
     _positive("data.batch_size", batch)
     if batch % (world_size * accum):
         raise ConfigError(
@@ -276,18 +335,20 @@ def check_batch(job: dict, world_size: int) -> None:
         )
 
 
-def check_fault(job: dict, world_size: int) -> None:
-    if job["fault"]["mode"] and not 0 <= job["fault"]["kill_rank"] < world_size:
+def check_fault(job: Job) -> None:
+    world_size = job.launch.world_size
+    if job.fault.mode and not 0 <= job.fault.kill_rank < world_size:
         raise ConfigError(
-            f"fault.kill_rank={job['fault']['kill_rank']}: must be a rank in 0..{world_size - 1}"
+            f"fault.kill_rank={job.fault.kill_rank}: must be a rank in 0..{world_size - 1}"
         )
 
 
-def check_straggler(job: dict, world_size: int) -> None:
-    slowdown, jitter = job["straggler"]["slowdown"], job["straggler"]["jitter_s"]
-    if slowdown and len(slowdown) != world_size:
+def check_straggler(job: Job) -> None:
+    slowdown, jitter = job.straggler.slowdown, job.straggler.jitter_s
+    if slowdown and len(slowdown) != job.launch.world_size:
         raise ConfigError(
-            f"straggler.slowdown={slowdown}: give one factor per rank ({world_size}), or []"
+            f"straggler.slowdown={slowdown}: give one factor per rank ({job.launch.world_size}), "
+            "or []"
         )
     if any(factor < 1 for factor in slowdown):
         raise ConfigError(f"straggler.slowdown={slowdown}: factors must be >= 1.0 (1.0 = no delay)")
@@ -295,52 +356,53 @@ def check_straggler(job: dict, world_size: int) -> None:
         raise ConfigError(f"straggler.jitter_s={jitter}: must be >= 0")
 
 
-def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] | None) -> dict:
-    """Validate the composed config and resolve it once into the plain dict workers receive.
+def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] | None) -> Job:
+    """Validate the composed config and resolve it once into the `Job` workers receive.
 
     `torchrun_world` is (world size, local world size) when torchrun started this process.
     """
     try:
-        job = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{getattr(e, 'full_key', '')}: {e.msg.splitlines()[0]}") from None
-    job.pop("hydra", None)
+    values.pop("hydra", None)
     for group in GROUPS:
         runtime_args = ("input_shape", "num_classes") if group == "model" else ()
-        job[group] = check_group(group, job[group], runtime_args)
-    check_root_schema(job)
-    check_root(job)
+        values[group] = check_group(group, values[group], runtime_args)
+    check_root_schema(values)
+    check_root(values)
 
-    settings = {g: instantiate_settings(job[g]) for g in GROUPS if g != "model"}
+    settings = {g: build(values[g]) for g in GROUPS if g != "model"}
     fixed = getattr(settings["strategy"], "world_size", None)
     if torchrun_world:
         world_size, nproc = torchrun_world
-        nnodes = (world_size // nproc, world_size // nproc)
     else:
-        nnodes = parse_nnodes(job["launch"]["nnodes"])
-        nproc = resolve_nproc(job["launch"]["nproc_per_node"], fixed, cuda_devices)
+        nnodes = parse_nnodes(values["launch"]["nnodes"])
+        nproc = resolve_nproc(values["launch"]["nproc_per_node"], fixed, cuda_devices)
         world_size = nnodes[0] * nproc
-    job["launch"]["nproc_per_node"] = nproc
-    job["launch"]["world_size"] = world_size
+    values["launch"].update(nproc_per_node=nproc, world_size=world_size)
+    values["output_dir"] = str(Path(values["output_dir"]).resolve())
+    values["tracking"]["uri"] = resolve_tracking_uri(values["tracking"]["uri"])
+    job = typed(Job, values)
+
     support.check(job, settings)  # options of different groups that cannot run together
     if not getattr(settings["balance"], "uneven", False):  # uneven splits check their own batch
-        check_batch(job, world_size)
-    check_fault(job, world_size)
+        check_batch(job)
+    check_fault(job)
     check_monitor(job)
-    check_straggler(job, world_size)
+    check_straggler(job)
     for obj in settings.values():
         if hasattr(obj, "validate"):
             obj.validate(job)
-    job["output_dir"] = str(Path(job["output_dir"]).resolve())
-    job["tracking"]["uri"] = resolve_tracking_uri(job["tracking"]["uri"])
-    check_checkpoint(job)
-    return job
+    return check_checkpoint(job)
 
 
-def instantiate_settings(node: dict) -> Any:
-    """Build a settings-only group object in the parent, so its own checks run before launch."""
+def build(node: dict[str, Any], **runtime_args: Any) -> Any:
+    """The object a group node describes: its `_target_` called with the node's arguments and
+    the `runtime_args` only a worker knows (a model's input shape). The one way mgpu builds
+    options, in the parent (so their own checks run before launch) and in each worker."""
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
-    return import_target(node["_target_"])(**kwargs)
+    return import_target(node["_target_"])(**kwargs, **runtime_args)
 
 
 def resolve_tracking_uri(uri: str | None) -> str:

@@ -12,19 +12,23 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from mgpu.config import FaultConf
+
 log = logging.getLogger("mgpu.fault")
 
 
-def fault_step(fault: dict, rank: int) -> int | None:
+def fault_step(fault: FaultConf, rank: int) -> int | None:
     """The step at which this rank fails, or None. Restarted attempts run clean unless
     `every_attempt` is set."""
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if fault["mode"] and rank == fault["kill_rank"] and (first_attempt or fault["every_attempt"]):
-        return fault["at_step"]
+    if fault.mode and rank == fault.kill_rank and (first_attempt or fault.every_attempt):
+        return fault.at_step
     return None
 
 

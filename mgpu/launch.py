@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import worker
-from mgpu.config import parse_nnodes
+from mgpu.config import Job, parse_nnodes
 
 # Restarted groups on gloo reuse stale peer addresses from the shared rendezvous store
 # (pytorch issue #135712); a fresh store per attempt makes restarts reliable.
@@ -30,7 +30,7 @@ def torchrun_world() -> tuple[int, int] | None:
     return None
 
 
-def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
+def launch(job: Job, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
     """Run `worker.main` on every local rank; returns {global rank: summary}.
 
     `env` (the network group's settings) goes to the workers, which set it before any
@@ -41,21 +41,21 @@ def launch(job: dict, run_id: str | None, env: dict[str, str]) -> dict[int, Any]
     # once per sweep, not per job; unlike plain fork, it holds no state of this process
     # (MLflow's database handles).
     multiprocessing.set_forkserver_preload(["mgpu.worker", "mgpu.task.train"])
-    settings = job["launch"]
-    min_nodes, max_nodes = parse_nnodes(settings["nnodes"])
+    settings = job.launch
+    min_nodes, max_nodes = parse_nnodes(settings.nnodes)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=settings["nproc_per_node"],
+        nproc_per_node=settings.nproc_per_node,
         run_id="mgpu",
         rdzv_backend="c10d",
-        rdzv_endpoint=settings["rdzv_endpoint"] or "127.0.0.1:0",
-        max_restarts=settings["max_restarts"],
+        rdzv_endpoint=settings.rdzv_endpoint or "127.0.0.1:0",
+        max_restarts=settings.max_restarts,
         monitor_interval=0.1,
         start_method="forkserver",
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job["output_dir"], "logs", "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job.output_dir, "logs", "elastic")),
     )
-    with environment({**WORKER_ENV, **flight_recorder_env(job["output_dir"])}):
+    with environment({**WORKER_ENV, **flight_recorder_env(job.output_dir)}):
         return elastic_launch(config, worker.main)(job, run_id, env)
 
 
@@ -92,7 +92,7 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "terminate
 TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
-def describe_failure(error: ChildFailedError, job: dict) -> str:
+def describe_failure(error: ChildFailedError, job: Job) -> str:
     """One line naming the rank whose failure stopped the group, and its error.
 
     The agent reports only the first process it saw exit, often a rank that merely lost its
@@ -100,7 +100,7 @@ def describe_failure(error: ChildFailedError, job: dict) -> str:
     root cause is looked up there; a rank with no report died without Python (a signal).
     """
     reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
-    reports.update(_error_reports(Path(job["output_dir"], "logs", "elastic")))
+    reports.update(_error_reports(Path(job.output_dir, "logs", "elastic")))
     causes = {
         r: m for r, m in reports.items()
         if not any(p in m for p in PEER_LOST) and not TIMED_OUT.search(m)
@@ -108,13 +108,13 @@ def describe_failure(error: ChildFailedError, job: dict) -> str:
     if causes:
         rank = min(causes)
         return f"rank {rank} failed: {causes[rank]}"
-    silent = sorted(set(range(job["launch"]["nproc_per_node"])) - set(reports))
+    silent = sorted(set(range(job.launch.nproc_per_node)) - set(reports))
     timeouts = [m for m in reports.values() if TIMED_OUT.search(m)]
     if silent and timeouts:  # the peers waited in a collective for a rank that never came
         step = re.search(r"at step (\d+)", timeouts[0])
         return (
             f"rank {silent[0]} hung{f' at step {step[1]}' if step else ''}: its peers timed out "
-            f"after launch.timeout_s={job['launch']['timeout_s']} s waiting for it "
+            f"after launch.timeout_s={job.launch.timeout_s} s waiting for it "
             f"({timeouts[0]})"
         )
     if silent:

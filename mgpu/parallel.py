@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from mgpu.config import instantiate_settings
+from mgpu.config import build
 from mgpu.errors import ConfigError
 from mgpu.options import import_target
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 CHECKPOINTING = ("none", "full", "selective")
 
@@ -57,13 +61,13 @@ def memory_metrics(
     }
 
 
-def model_class(job: dict) -> type:
-    return import_target(job["model"]["_target_"])
+def model_class(job: Job) -> type:
+    return import_target(job.model["_target_"])
 
 
-def data_input_shape(job: dict) -> tuple[int, ...]:
+def data_input_shape(job: Job) -> tuple[int, ...]:
     """One sample's shape, from the data settings alone (nothing is loaded), for parent checks."""
-    return tuple(instantiate_settings(job["data"]).input_shape)
+    return tuple(build(job.data).input_shape)
 
 
 def check_checkpointing(mode: str) -> None:

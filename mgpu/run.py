@@ -8,12 +8,12 @@ import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -27,6 +27,7 @@ from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
 from mgpu.compression import Compression
+from mgpu.config import build
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
@@ -34,6 +35,9 @@ from mgpu.precision import Precision
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
 from mgpu.tracking import MetricLogger
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 log = logging.getLogger("mgpu.run")
 
@@ -47,7 +51,7 @@ def replica_seed(seed: int, replica: int) -> int:
 
 @dataclass
 class Run:
-    job: dict
+    job: Job
     rt: Runtime
     model: nn.Module
     precision: Precision
@@ -64,37 +68,37 @@ class Run:
     start_step: int = 0  # the step of the checkpoint this run resumed from
 
     @classmethod
-    def build(cls, job: dict, rt: Runtime, run_id: str | None) -> Run:
+    def build(cls, job: Job, rt: Runtime, run_id: str | None) -> Run:
         """Data → model → precision → strategy → compression → balance → optimizer → tracking
         → checkpointer, then the state of the checkpoint to resume from, if any."""
-        torch.manual_seed(job["seed"])  # same initial weights on every rank
-        data = instantiate(job["data"])
-        train_set, val_set = data.splits(job["seed"])
-        model = instantiate(
-            job["model"], input_shape=data.input_shape, num_classes=data.num_classes
+        torch.manual_seed(job.seed)  # same initial weights on every rank
+        data = build(job.data)
+        train_set, val_set = data.splits(job.seed)
+        model = build(
+            job.model, input_shape=data.input_shape, num_classes=data.num_classes
         )
-        precision = instantiate(job["precision"])
+        precision = build(job.precision)
         model = precision.prepare(model)
-        strategy = instantiate(job["strategy"])
-        model = strategy.wrap(model, rt, instantiate(job["network"]), precision)
+        strategy = build(job.strategy)
+        model = strategy.wrap(model, rt, build(job.network), precision)
         precision.attach(model, rt.device)
         data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
         # From here on each replica draws its own dropout masks; ranks that share a replica (its
         # tp and pp peers) keep drawing alike, as their replicated activations need.
-        torch.manual_seed(replica_seed(job["seed"], data_rt.rank))
-        compression = instantiate(job["compression"])
-        balance = instantiate(job["balance"])
+        torch.manual_seed(replica_seed(job.seed, data_rt.rank))
+        compression = build(job.compression)
+        balance = build(job.balance)
         local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
         monitor = Monitor(job, rt, run_id, data, precision, local_batch)
         with monitor.comm_hooks(model):  # times whichever comm hook is installed here
             compression.register(model)
             balance.attach(model, data_rt, job)
         optimizer, scheduler = strategy.build_optimizer(
-            instantiate(job["optim"]), model, job["train"]["steps"]
+            build(job.optim), model, job.train.steps
         )
         tracker = None
         if rt.is_main and run_id:
-            tracker = MetricLogger(job["tracking"]["uri"], run_id)
+            tracker = MetricLogger(job.tracking.uri, run_id)
         run = cls(
             job=job,
             rt=rt,
@@ -106,7 +110,7 @@ class Run:
             optimizer=optimizer,
             scheduler=scheduler,
             batches=balance.batches(train_set),
-            val_loader=EvalBatches(val_set, job["eval"]["batch_size"], data_rt),
+            val_loader=EvalBatches(val_set, job.eval.batch_size, data_rt),
             tracker=tracker,
             monitor=monitor,
             checkpointer=Checkpointer(job, rt, run_id),
@@ -121,11 +125,11 @@ class Run:
 
         Log points, evaluation and checkpoints run as stalls of the meter: they are timed on
         their own and left out of the step figures."""
-        cfg = self.job["train"]
-        steps, log_every = cfg["steps"], cfg["log_every"]
-        eval_every = self.job["eval"]["every_steps"]
-        meter = StepMeter(self.job["data"]["batch_size"], cfg["warmup_steps"], self.rt.device)
-        fail_at = fault.fault_step(self.job["fault"], self.rt.rank)
+        cfg = self.job.train
+        steps, log_every = cfg.steps, cfg.log_every
+        eval_every = self.job.eval.every_steps
+        meter = StepMeter(self.job.data["batch_size"], cfg.warmup_steps, self.rt.device)
+        fail_at = fault.fault_step(self.job.fault, self.rt.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
         metrics: dict[str, float] = {}
         with self.progress_bar() as bar, fault.naming_step() as at:
@@ -133,7 +137,7 @@ class Run:
             for step in range(self.start_step + 1, steps + 1):
                 at.step = step
                 if step == fail_at:
-                    fault.inject(self.job["fault"]["mode"], self.rt.rank, step, self.model)
+                    fault.inject(self.job.fault.mode, self.rt.rank, step, self.model)
                 meter.record(step, *self.train_step())
                 self.monitor.end_step(step)
                 if step % log_every == 0 or step == steps:
@@ -160,7 +164,7 @@ class Run:
         Returns this rank's loss summed over its samples (detached, on the device) and the
         number of samples: under an uneven split the ranks' losses weigh by their samples.
         """
-        accum = self.job["train"]["grad_accum"]
+        accum = self.job.train.grad_accum
         timer = self.monitor.timer
         loss_sum, samples = None, 0
         self.balance.before_step()

@@ -17,10 +17,13 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgpu.errors import ConfigError
 from mgpu.options import conf_nodes, import_target, option_name
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 #: The groups (and the one root key) whose combinations the rules and the matrix cover.
 AXES = ("strategy", "precision", "compression", "balance", "model", "grad_accum")
@@ -219,15 +222,15 @@ def refusal(chosen: dict[str, Option]) -> str | None:
     return None
 
 
-def check(job: dict, settings: dict[str, Any]) -> None:
+def check(job: Job, settings: dict[str, Any]) -> None:
     """ConfigError naming both keys where the job's options cannot run together (parent)."""
     chosen = {
-        group: Option(group, option_name(group, job[group]["_target_"]), settings[group])
+        group: Option(group, option_name(group, getattr(job, group)["_target_"]), settings[group])
         for group in ("strategy", "precision", "compression", "balance")
     }
-    model = import_target(job["model"]["_target_"])
-    chosen["model"] = Option("model", option_name("model", job["model"]["_target_"]), model)
-    [chosen["grad_accum"]] = grad_accum_options([job["train"]["grad_accum"]])
+    model = import_target(job.model["_target_"])
+    chosen["model"] = Option("model", option_name("model", job.model["_target_"]), model)
+    [chosen["grad_accum"]] = grad_accum_options([job.train.grad_accum])
     reason = refusal(chosen)
     if reason:
         raise ConfigError(reason)

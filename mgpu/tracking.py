@@ -22,7 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from mgpu.config import resolve_tracking_uri
+from mgpu.config import Job, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -62,29 +62,29 @@ def experiment_id(client: MlflowClient, name: str) -> str:
         return found.experiment_id
 
 
-def start_job_run(job: dict, choices: Mapping[str, str], overrides: list[str]) -> str:
+def start_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) -> str:
     """Create the job's run: params = flattened config, tags = group choices and overrides."""
-    tracking = job["tracking"]
-    client = MlflowClient(tracking["uri"])
+    tracking = job.tracking
+    client = MlflowClient(tracking.uri)
     tags = {group: str(option) for group, option in choices.items()}
     tags["mgpu.overrides"] = " ".join(overrides) or "(defaults)"
-    tags["mgpu.output_dir"] = job["output_dir"]
+    tags["mgpu.output_dir"] = job.output_dir
     if os.environ.get(PARENT_RUN_ENV):
         tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
     run = client.create_run(
-        experiment_id(client, tracking["experiment"]),
-        run_name=tracking["run_name"] or " ".join(overrides) or "defaults",
+        experiment_id(client, tracking.experiment),
+        run_name=tracking.run_name or " ".join(overrides) or "defaults",
         tags=tags,
     )
     run_id = run.info.run_id
     params = [
         Param(key, str(value)[:MAX_PARAM_LENGTH])
-        for key, value in flatten(job).items()
+        for key, value in flatten(job.as_dict()).items()
         if not key.endswith("_target_")
     ]
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
-    client.log_text(run_id, OmegaConf.to_yaml(job), "config.yaml")
+    client.log_text(run_id, OmegaConf.to_yaml(job.as_dict()), "config.yaml")
     client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
     return run_id
 

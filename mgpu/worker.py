@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu import checkpoint, tracking
-from mgpu.config import instantiate_settings
+from mgpu.config import Job, build
 from mgpu.monitor.system import system_metrics
 from mgpu.runtime import Runtime, init_runtime, shutdown
 
@@ -18,39 +18,39 @@ log = logging.getLogger("mgpu.worker")
 
 
 @record
-def main(job: dict, run_id: str | None, env: dict[str, str] | None = None) -> dict[str, float]:
+def main(job: Job, run_id: str | None, env: dict[str, str] | None = None) -> dict[str, float]:
     """Started by the elastic agent on every rank: apply the network settings, join, run the task.
 
     `env` is set here rather than inherited: workers fork from a server started once per
     process, so a sweep's later jobs would otherwise see the first job's settings.
     """
     os.environ.update(env or {})
-    rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
+    rt = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
         return run_task(job, rt, run_id)
     finally:
         shutdown()
 
 
-def run_task(job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
+def run_task(job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
     """The job's task on this rank: train (the default) or another, e.g. task=commbench."""
-    return instantiate_settings(job["task"]).run(job, rt, run_id)
+    return build(job.task).run(job, rt, run_id)
 
 
-def main_under_torchrun(job: dict, choices: dict[str, str], overrides: list[str]) -> dict:
+def main_under_torchrun(job: Job, choices: dict[str, str], overrides: list[str]) -> dict:
     """torchrun started this process: rank 0 owns the MLflow run, which no parent holds here."""
-    env = instantiate_settings(job["network"]).env()
+    env = build(job.network).env()
     os.environ.update(env)  # before the process group reads it
-    rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
+    rt = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
         if dist.is_initialized():
             # Each rank composed its own config; rank 0's (output dir, timestamps) is the run's.
             shared = [job]
             dist.broadcast_object_list(shared, src=0)
             job = shared[0]
-        if not (rt.is_main and job["tracking"]["enabled"]):
+        if not (rt.is_main and job.tracking.enabled):
             return run_task(job, rt, None)
-        uri = job["tracking"]["uri"]
+        uri = job.tracking.uri
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
         run_id = resumed or tracking.start_job_run(job, choices, overrides)
         if not resumed:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from mgpu.config import prepare
+from mgpu.config import Job, prepare
 from mgpu.launch import launch
 from mgpu.runtime import shutdown
 
@@ -29,8 +29,8 @@ def compose_config(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def make_job(overrides: list[str], output_dir: Path) -> dict:
-    """The resolved job dict the parent would hand to workers (tracking off)."""
+def make_job(overrides: list[str], output_dir: Path) -> Job:
+    """The resolved job the parent would hand to workers (tracking off)."""
     cfg = compose_config([*overrides, f"output_dir={output_dir}", "tracking.enabled=false"])
     return prepare(cfg, cuda_devices=0, torchrun_world=None)
 

@@ -9,7 +9,7 @@ import os
 
 from torch import nn
 
-from mgpu.config import instantiate_settings
+from mgpu.config import build
 from mgpu.runtime import Runtime
 
 
@@ -17,9 +17,9 @@ class ReportEnv:
     objective = "bucket_bytes_cap"
 
     def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict:
-        network = instantiate_settings(job["network"])
-        precision = instantiate_settings(job["precision"])
-        strategy = instantiate_settings(job["strategy"])
+        network = build(job.network)
+        precision = build(job.precision)
+        strategy = build(job.strategy)
         model = strategy.wrap(nn.Linear(4, 2), rt, network, precision)
         return {
             "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))},

@@ -205,4 +205,4 @@ def test_bad_balance_input_is_one_config_error(overrides, message, tmp_path):
 
 def test_throughput_takes_a_batch_that_does_not_divide(tmp_path):
     job = make_job(["balance=throughput", "data.batch_size=63"], tmp_path)
-    assert job["data"]["batch_size"] == 63
+    assert job.data["batch_size"] == 63

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -129,7 +130,7 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp
     [report] = caplog.messages
     assert "step_00000020" in report and ".metadata does not match its SHA-256" in report
     job = make_job(["resume=none"], tmp_path / "a")
-    job["resume"] = str(root / "step_00000020")
+    job = dataclasses.replace(job, resume=str(root / "step_00000020"))
     with pytest.raises(ConfigError, match="not a valid checkpoint"):
         check_checkpoint(job)
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hydra.utils import instantiate
 from torch import nn
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, unpack
 from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unpack_signs
+from mgpu.config import build
 from mgpu.errors import ConfigError
 from mgpu.run import Run
 from mgpu.runtime import Runtime, init_runtime, shutdown
@@ -186,7 +186,7 @@ def test_bad_compression_settings_are_one_config_error(overrides, message, tmp_p
 
 def test_no_compression_runs_with_any_strategy(tmp_path):
     job = make_job(["compression=none", "strategy=single"], tmp_path)
-    assert job["launch"]["world_size"] == 1
+    assert job.launch.world_size == 1
 
 
 def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict]:
@@ -202,7 +202,7 @@ def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict
 def train_checking_replicas(job: dict, rt, check_from: int) -> dict:
     run = Run.build(job, rt, None)
     mismatched_steps = []
-    for step in range(1, job["train"]["steps"] + 1):
+    for step in range(1, job.train.steps + 1):
         run.train_step()
         if step == check_from:
             restores = replays_after_restore(run)
@@ -260,8 +260,8 @@ def clone_tree(tree):
 
 def fp32_gradient_bytes(job: dict) -> int:
     """Bytes of the job's model gradients in fp32: what plain all-reduce hands over per step."""
-    data = instantiate(job["data"])
-    model = instantiate(job["model"], input_shape=data.input_shape, num_classes=data.num_classes)
+    data = build(job.data)
+    model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return 4 * sum(p.numel() for p in model.parameters())
 
 

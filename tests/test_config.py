@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hydra.utils import instantiate
 
-from mgpu.config import GROUPS, instantiate_settings
+from mgpu.config import GROUPS, build
 from mgpu.errors import ConfigError
 from tests.conftest import CONF, make_job
 
@@ -20,23 +19,21 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     if group == "strategy" and option in ("tp", "pp", "hybrid"):
         overrides.append("model=gpt")  # strategies that split the model need one that can be
     job = make_job(overrides, tmp_path)
-    assert job[group]["_target_"].startswith(f"mgpu.{group}.")
-    data = instantiate(job["data"])
-    train_set, val_set = data.splits(job["seed"])
+    assert getattr(job, group)["_target_"].startswith(f"mgpu.{group}.")
+    data = build(job.data)
+    train_set, val_set = data.splits(job.seed)
     assert len(train_set) > len(val_set) > 0
-    model = instantiate(job["model"], input_shape=data.input_shape, num_classes=data.num_classes)
+    model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
     inputs, _ = train_set[:4]
     assert model(inputs).shape == (4, data.num_classes)
     for name in ("strategy", "precision", "compression", "network", "balance", "optim"):
-        assert instantiate_settings(job[name]) is not None
+        assert build(getattr(job, name)) is not None
 
 
 def test_auto_nproc_follows_the_strategy(tmp_path):
-    assert make_job(["strategy=single"], tmp_path)["launch"]["world_size"] == 1
-    assert make_job(["strategy=ddp"], tmp_path)["launch"]["world_size"] == 2
-    assert make_job(["strategy=ddp", "launch.nproc_per_node=4"], tmp_path)["launch"][
-        "world_size"
-    ] == 4
+    assert make_job(["strategy=single"], tmp_path).launch.world_size == 1
+    assert make_job(["strategy=ddp"], tmp_path).launch.world_size == 2
+    assert make_job(["strategy=ddp", "launch.nproc_per_node=4"], tmp_path).launch.world_size == 4
 
 
 @pytest.mark.parametrize(

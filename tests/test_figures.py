@@ -3,17 +3,18 @@ the wire per collective, and no metric where it does not apply."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import tracking
+from mgpu.config import build
 from mgpu.launch import launch
 from mgpu.model.mlp import MLP
 from mgpu.run import Run
@@ -42,7 +43,8 @@ def test_eval_and_checkpoint_stalls_stay_out_of_the_step_figures(tmp_path):
     job = make_job(["strategy=single", "model._target_=tests.test_figures.SlowEvalMLP",
                     "train.steps=12", "train.warmup_steps=2", "train.log_every=12",
                     "eval.every_steps=4", "checkpoint.every_steps=4"], tmp_path / "out")
-    job["tracking"].update(enabled=True, uri=uri)
+    job = dataclasses.replace(
+        job, tracking=dataclasses.replace(job.tracking, enabled=True, uri=uri))
     run_id = tracking.start_job_run(job, {}, [])
     summary = launch(job, run_id, env={})[0]
 
@@ -95,8 +97,8 @@ def test_train_loss_is_the_global_batch_mean_under_an_uneven_split(tmp_path):
 
 
 def fp32_gradient_bytes(job: dict) -> int:
-    data = instantiate(job["data"])
-    model = instantiate(job["model"], input_shape=data.input_shape, num_classes=data.num_classes)
+    data = build(job.data)
+    model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return 4 * sum(p.numel() for p in model.parameters())
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.tensor import DTensor
 
+from mgpu.config import build
 from mgpu.errors import ConfigError
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.matrix import BEGIN, END, axis_options, covering_rows, overrides, refused_rows, render
@@ -101,7 +101,7 @@ def test_refused_combination_fails_composition_with_its_reason(row, reason, tmp_
 @pytest.mark.parametrize("name", RUNS)
 def test_supported_combination_composes(name, tmp_path):
     job = make_job(cell_overrides(RUNS[name]), tmp_path)
-    assert job["launch"]["world_size"] in (1, 2, 4)
+    assert job.launch.world_size in (1, 2, 4)
 
 
 # ---- the runs: one gloo group per world size, every combination in turn ----------------------
@@ -116,7 +116,7 @@ def run_cells(jobs: dict[str, dict], results: str, timeout_s: int) -> None:
     failed = None
     try:
         for name, job in jobs.items():
-            own = dataclasses.replace(rt, output_dir=Path(job["output_dir"]))
+            own = dataclasses.replace(rt, output_dir=Path(job.output_dir))
             if failed:  # the group may be broken: don't wait out a timeout per combination
                 record = {"error": f"not run: {failed} failed before it on this rank"}
             else:
@@ -201,7 +201,7 @@ def replicas_agree(run: Run) -> bool:
 
 def predictions_agree(run: Run, job: dict) -> bool:
     """Every rank predicts bitwise the same logits for the same held-out inputs."""
-    _, val_set = instantiate(job["data"]).splits(job["seed"])
+    _, val_set = build(job.data).splits(job.seed)
     inputs = torch.stack([val_set[i][0] for i in range(32)]).to(run.rt.device)
     run.model.eval()
     with torch.no_grad(), run.precision.autocast(run.rt.device):
@@ -251,7 +251,7 @@ def launch_cells(world_size: int, selected: set[str], tmp_path_factory) -> dict:
     jobs = {}
     for name in sorted(selected):
         job = make_job(cell_overrides(RUNS[name]), root / name)
-        if job["launch"]["world_size"] == world_size:
+        if job.launch.world_size == world_size:
             jobs[name] = job
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id="matrix",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=1,
@@ -268,7 +268,7 @@ def launch_cells(world_size: int, selected: set[str], tmp_path_factory) -> dict:
 
 def world_size_of(name: str, tmp_path_factory) -> int:
     job = make_job(cell_overrides(RUNS[name]), tmp_path_factory.mktemp("compose"))
-    return job["launch"]["world_size"]
+    return job.launch.world_size
 
 
 @pytest.mark.dist

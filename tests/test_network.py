@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mgpu.config import instantiate_settings
+from mgpu.config import build
 from mgpu.errors import ConfigError
 from mgpu.launch import launch
 from mgpu.network import sysctl, topology
@@ -33,8 +33,8 @@ def nvml_present() -> bool:
 
 @pytest.mark.parametrize("option", NETWORKS)
 def test_each_option_sets_only_the_variables_its_config_names(option, tmp_path):
-    node = make_job([f"network={option}"], tmp_path)["network"]
-    env = instantiate_settings(node).env()
+    node = make_job([f"network={option}"], tmp_path).network
+    env = build(node).env()
     named = {k.upper() for k, v in node.items() if k not in NOT_VARIABLES and v is not None}
     assert set(env) == named | set(node["env"])
     assert all(isinstance(value, str) for value in env.values())
@@ -42,7 +42,7 @@ def test_each_option_sets_only_the_variables_its_config_names(option, tmp_path):
 
 def test_options_set_what_their_fabric_needs(tmp_path):
     def env(option: str) -> dict[str, str]:
-        return instantiate_settings(make_job([f"network={option}"], tmp_path)["network"]).env()
+        return build(make_job([f"network={option}"], tmp_path).network).env()
 
     assert env("default") == {}
     assert env("nvlink") == {"NCCL_IB_DISABLE": "1", "NCCL_P2P_LEVEL": "NVL"}
@@ -62,7 +62,7 @@ def test_workers_see_their_jobs_settings_and_no_earlier_jobs(tmp_path):
     second = [REPORT_ENV, "network=default"]
     for overrides, expected_cap, view in ((first, 5, False), (second, 25, True)):
         job = make_job(overrides, tmp_path / overrides[1].replace("=", "-"))
-        network = instantiate_settings(job["network"])
+        network = build(job.network)
         results = launch(job, None, network.prepare_node(tmp_path))
         assert set(results) == {0, 1}
         for report in results.values():

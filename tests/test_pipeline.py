@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from mgpu.config import build
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.gpt import GPT
 from mgpu.pipeline import Pipeline
@@ -77,13 +77,13 @@ def test_bf16_crosses_stages_intact_and_every_rank_gets_the_last_stage_logits(tm
 def evaluate_alone(job: dict, weights: dict[str, torch.Tensor], bf16: bool) -> dict[str, float]:
     """`weights` loaded strictly into the job's unpadded model, evaluated by one process on the
     whole held-out set in the run's eval batches."""
-    data = instantiate(job["data"])
-    _, val_set = data.splits(job["seed"])
-    model = instantiate(job["model"], input_shape=data.input_shape, num_classes=data.num_classes)
+    data = build(job.data)
+    _, val_set = data.splits(job.seed)
+    model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
     model.load_state_dict(weights, strict=True)
     model.eval()
     loss = correct = 0.0
-    batches = torch.utils.data.DataLoader(val_set, batch_size=job["eval"]["batch_size"])
+    batches = torch.utils.data.DataLoader(val_set, batch_size=job.eval.batch_size)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         for images, labels in batches:
             logits = model(images)

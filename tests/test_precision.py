@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -63,8 +64,8 @@ def test_padded_model_computes_what_the_unpadded_one_does(build):
 
 def test_amp_knobs_come_from_the_command_line(tmp_path):
     job = make_job(["precision=amp", "precision.init_scale=32768"], tmp_path)
-    assert job["precision"]["init_scale"] == 32768.0
-    assert job["precision"]["growth_interval"] == 2000
+    assert job.precision["init_scale"] == 32768.0
+    assert job.precision["growth_interval"] == 2000
 
 
 @pytest.mark.parametrize(
@@ -146,7 +147,7 @@ LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
 
 def train_and_save_every_rank(job: dict, run_id: str | None, env: dict | None = None) -> dict:
     """worker.main, but every rank saves its own weights, to compare the replicas."""
-    rt = init_runtime(job["output_dir"], job["launch"]["timeout_s"])
+    rt = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
         return train_and_save(job, rt, run_id)
     finally:
@@ -175,7 +176,8 @@ def store(tmp_path_factory):
 def launch_tracked(overrides: list[str], out, uri: str, monkeypatch) -> tuple[dict, dict]:
     """Launch with MLflow tracking; returns ({rank: summary}, {metric: [value per step]})."""
     job = make_job(overrides, out)
-    job["tracking"].update(enabled=True, uri=uri)
+    job = dataclasses.replace(
+        job, tracking=dataclasses.replace(job.tracking, enabled=True, uri=uri))
     run_id = tracking.start_job_run(job, {}, overrides)
     monkeypatch.setattr("mgpu.launch.worker.main", train_and_save_every_rank)
     results = launch(job, run_id, env={})

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from mgpu.config import instantiate_settings
+from mgpu.config import build
 from mgpu.errors import ConfigError
 from mgpu.model.gpt import GPT as GPTModel
 from mgpu.parallel import apply_checkpointing
@@ -170,6 +170,6 @@ def test_sequence_parallel_needs_tp_to_divide_the_sequence(tmp_path):
 def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):
     names = ("single", "ddp", "zero1", "fsdp", "tp", "pp", "hybrid")
     jobs = {name: make_job([f"strategy={name}", "model=gpt"], tmp_path) for name in names}
-    carries = {n: instantiate_settings(j["strategy"]).supports_comm_hook for n, j in jobs.items()}
+    carries = {n: build(j.strategy).supports_comm_hook for n, j in jobs.items()}
     assert carries == {"single": False, "ddp": True, "zero1": True, "fsdp": False, "tp": False,
                        "pp": False, "hybrid": False}

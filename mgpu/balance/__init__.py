@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from mgpu.runtime import Runtime
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class Balance(Protocol):
@@ -28,13 +31,13 @@ class Balance(Protocol):
     #: The same seed gives bitwise the same run (not so where the split follows measured time).
     deterministic: bool
 
-    def validate(self, job: dict) -> None:
+    def validate(self, job: Job) -> None:
         """Raise ConfigError for settings this option cannot run with (parent, before launch)."""
 
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         """Samples this rank takes from each global batch at the start."""
 
-    def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
+    def attach(self, model: nn.Module, rt: Runtime, job: Job) -> None:
         """Install timing hooks (and comm hooks) on the wrapped model."""
 
     def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -8,6 +8,9 @@ hooks at all.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -15,6 +18,9 @@ from mgpu.balance.clock import StepClock
 from mgpu.data.loader import TrainBatches
 from mgpu.runtime import Runtime, gather_rows
 from mgpu.straggler import Straggler
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class EqualSplit:
@@ -28,17 +34,17 @@ class EqualSplit:
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         return global_batch // world_size
 
-    def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
-        self.rt, self.seed = rt, job["seed"]
-        self.global_batch = job["data"]["batch_size"]
-        self.grad_accum = job["train"]["grad_accum"]
+    def attach(self, model: nn.Module, rt: Runtime, job: Job) -> None:
+        self.rt, self.seed = rt, job.seed
+        self.global_batch = job.data["batch_size"]
+        self.grad_accum = job.train.grad_accum
         self.sizes = [self.local_batch_size(self.global_batch, r, rt.world_size)
                       for r in range(rt.world_size)]
-        straggler = Straggler(**job["straggler"], rank=rt.rank, seed=job["seed"])
+        straggler = Straggler(**dataclasses.asdict(job.straggler), rank=rt.rank, seed=job.seed)
         self.clock = None
         # Decided from the job, not this rank's straggler: every rank must run the clock, since
         # its metrics are collectives.
-        if job["straggler"]["slowdown"] or job["straggler"]["jitter_s"] > 0 or self.measures:
+        if job.straggler.slowdown or job.straggler.jitter_s > 0 or self.measures:
             self.clock = StepClock(straggler, rt.device)
             self.clock.attach(model)
             self.logged = self.clock.totals()

@@ -23,6 +23,8 @@ completed by every rank, when it finished a backward pass: how far ahead it actu
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's `bucket` annotation at runtime.
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +34,9 @@ from torch.futures import Future, collect_all
 from mgpu.balance.none import EqualSplit
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime, gather_rows
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 def completed(tensor: torch.Tensor) -> Future:
@@ -130,7 +135,7 @@ class StaleSynchronous(EqualSplit):
         self.staleness = staleness
         self.ahead = 0
 
-    def attach(self, model: nn.Module, rt: Runtime, job: dict) -> None:
+    def attach(self, model: nn.Module, rt: Runtime, job: "Job") -> None:
         super().attach(model, rt, job)
         names = {id(p): name for name, p in getattr(model, "module", model).named_parameters()}
         self.stale = StaleGradients(self.staleness, rt.world_size, names, rt.device)

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import logging
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 
 from mgpu.balance.none import EqualSplit
 from mgpu.errors import ConfigError
 from mgpu.runtime import gather_rows
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +83,12 @@ class Throughput(EqualSplit):
         self.smoothed: torch.Tensor | None = None
         self.rebalances = 0
 
-    def validate(self, job: dict) -> None:
-        batch, accum = job["data"]["batch_size"], job["train"]["grad_accum"]
-        need = job["launch"]["world_size"] * accum
+    def validate(self, job: Job) -> None:
+        batch, accum = job.data["batch_size"], job.train.grad_accum
+        need = job.launch.world_size * accum
         if batch < need:
             raise ConfigError(
-                f"data.batch_size={batch}: too small to give each of {job['launch']['world_size']}"
+                f"data.batch_size={batch}: too small to give each of {job.launch.world_size}"
                 f" ranks x train.grad_accum ({accum}) at least one sample; use >= {need}"
             )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from mgpu.monitor.telemetry import Telemetry
 from mgpu.monitor.timing import PHASES, NullTimer, PhaseTimer
 from mgpu.runtime import Runtime, gather_rows
 
+if TYPE_CHECKING:
+    from mgpu.config import Job
+
 log = logging.getLogger(__name__)
 
 # Per-rank window figures gathered at log points, ahead of the telemetry keys.
@@ -37,33 +40,33 @@ WINDOW_KEYS = ("compute_before_comm", "allreduce")
 
 class Monitor:
     def __init__(
-        self, job: dict, rt: Runtime, run_id: str | None, data: Any, precision: Any,
+        self, job: Job, rt: Runtime, run_id: str | None, data: Any, precision: Any,
         local_batch: int,
     ) -> None:
-        cfg = job["monitor"]
-        self.rt, self.run_id, self.uri = rt, run_id, job["tracking"]["uri"]
-        self.enabled = cfg["enabled"]
+        cfg = job.monitor
+        self.rt, self.run_id, self.uri = rt, run_id, job.tracking.uri
+        self.enabled = cfg.enabled
         self.local_batch = local_batch
         self.comm = CommMeter(rt.device) if self.enabled and rt.world_size > 1 else None
         self.timer: PhaseTimer | NullTimer = (
-            PhaseTimer(rt.device, job["train"]["warmup_steps"], self.comm)
+            PhaseTimer(rt.device, job.train.warmup_steps, self.comm)
             if self.enabled else NullTimer()
         )
-        self.telemetry = Telemetry(rt.device, cfg["interval_s"]) if self.enabled else None
+        self.telemetry = Telemetry(rt.device, cfg.interval_s) if self.enabled else None
         self.mfu = (
             MFU.for_run(job, data, rt.device, precision, rt.world_size) if self.enabled else None
         )
         self.exporter = None
-        if cfg["prometheus_port"] is not None:
-            port = cfg["prometheus_port"] + rt.local_rank
-            self.exporter = Exporter(cfg["prometheus_host"], port, rt.rank)
+        if cfg.prometheus_port is not None:
+            port = cfg.prometheus_port + rt.local_rank
+            self.exporter = Exporter(cfg.prometheus_host, port, rt.rank)
             if self.telemetry:
                 self.telemetry.listeners.append(self.exporter.update_device)
         self.profiler = None
-        if cfg["profile"]:
+        if cfg.profile:
             trace = rt.output_dir / "profile" / f"trace_rank{rt.rank}.json"
             self.profiler = StepProfiler(
-                rt.device, cfg["profile_start_step"], cfg["profile_steps"], trace)
+                rt.device, cfg.profile_start_step, cfg.profile_steps, trace)
         if self.telemetry:
             self.telemetry.start()
         self.window_steps = 0

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 @contextmanager
-def system_metrics(job: dict, run_id: str | None) -> Iterator[None]:
+def system_metrics(job: Job, run_id: str | None) -> Iterator[None]:
     """Sample system metrics into the run while the block runs (if the config asks for it)."""
-    if not (job["tracking"]["system_metrics"] and run_id):
+    if not (job.tracking.system_metrics and run_id):
         yield
         return
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     monitor = SystemMetricsMonitor(
-        run_id, sampling_interval=job["monitor"]["interval_s"],
-        tracking_uri=job["tracking"]["uri"],
+        run_id, sampling_interval=job.monitor.interval_s,
+        tracking_uri=job.tracking.uri,
     )
     monitor.start()
     try:

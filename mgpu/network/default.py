@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mgpu.errors import ConfigError
 from mgpu.network import sysctl, topology
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +72,12 @@ class DefaultNetwork:
         """The variables this option sets: its NCCL/gloo settings, then the `env` map."""
         return {**self.settings, **self.extra_env}
 
-    def validate(self, job: dict) -> None:
-        launch = job["launch"]
-        if self.single_node and launch["world_size"] > launch["nproc_per_node"]:
+    def validate(self, job: Job) -> None:
+        launch = job.launch
+        if self.single_node and launch.world_size > launch.nproc_per_node:
             raise ConfigError(
                 f"network={type(self).__module__.rsplit('.', 1)[-1]} is for one machine but "
-                f"launch.nnodes={launch['nnodes']}; use network=infiniband, ethernet or default"
+                f"launch.nnodes={launch.nnodes}; use network=infiniband, ethernet or default"
             )
 
     def prepare_node(self, output_dir: Path) -> dict[str, str]:

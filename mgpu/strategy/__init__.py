@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
 from mgpu.parallel import memory_metrics
 from mgpu.precision.padding import unpad_state_dict
 from mgpu.runtime import Runtime
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 #: Optimizer state in DCP's flat layout, every entry keyed by parameter name
 #: (`state.<name>.exp_avg`, `param_groups.<name>.lr`): ranks holding different parameters
@@ -53,7 +56,7 @@ class Strategy(Protocol):
     #: Model methods the strategy splits the model with (`mgpu.support.MODEL_PLANS`).
     model_plans: tuple[str, ...]
 
-    def validate(self, job: dict) -> None:
+    def validate(self, job: Job) -> None:
         """Raise ConfigError for settings this strategy cannot run with (parent, before launch)."""
 
     def wrap(

@@ -10,6 +10,7 @@ because DDP over a TP mesh trains while hiding the parameters from state_dict().
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
 from mgpu.strategy.fsdp import FSDP, gradient_sync_off, shard_model
 from mgpu.strategy.tp import split_blocks
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class Hybrid(Strategy):
@@ -77,8 +81,8 @@ class Hybrid(Strategy):
     def model_plans(self) -> tuple[str, ...]:
         return ("tp_plan",) * (self.tp > 1) + ("pipeline_stage",) * (self.pp > 1)
 
-    def validate(self, job: dict) -> None:
-        world = job["launch"]["world_size"]
+    def validate(self, job: Job) -> None:
+        world = job.launch.world_size
         if self.dp * self.tp * self.pp != world:
             raise ConfigError(
                 f"strategy dp={self.dp} x tp={self.tp} x pp={self.pp} = "
@@ -89,7 +93,7 @@ class Hybrid(Strategy):
             check_pipeline(job, self.schedule, self.microbatches, self.pp, self.dp)
         if self.tp > 1 or self.pp > 1:
             model_class(job).check_parallel(
-                job["model"], tp=self.tp, pp=self.pp * stages_per_rank(self.schedule),
+                job.model, tp=self.tp, pp=self.pp * stages_per_rank(self.schedule),
                 sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
             )
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,9 @@ from mgpu.parallel import apply_checkpointing, check_checkpointing, memory_metri
 from mgpu.pipeline import Pipeline, check_pipeline, stages_per_rank
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class PP(Strategy):
@@ -33,10 +37,10 @@ class PP(Strategy):
         self.activation_checkpointing = activation_checkpointing
         self.pipe: Pipeline | None = None
 
-    def validate(self, job: dict) -> None:
-        pp = job["launch"]["world_size"]
+    def validate(self, job: Job) -> None:
+        pp = job.launch.world_size
         check_pipeline(job, self.schedule, self.microbatches, pp, dp=1)
-        model_class(job).check_parallel(job["model"], tp=1, pp=pp * stages_per_rank(self.schedule))
+        model_class(job).check_parallel(job.model, tp=1, pp=pp * stages_per_rank(self.schedule))
 
     def wrap(
         self, model: nn.Module, rt: Runtime, network: object, precision: object

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -10,6 +11,9 @@ from mgpu.errors import ConfigError
 from mgpu.parallel import apply_checkpointing, check_checkpointing
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class Single(Strategy):
@@ -25,12 +29,12 @@ class Single(Strategy):
         check_checkpointing(activation_checkpointing)
         self.activation_checkpointing = activation_checkpointing
 
-    def validate(self, job: dict) -> None:
-        if job["launch"]["world_size"] != 1:
+    def validate(self, job: Job) -> None:
+        if job.launch.world_size != 1:
             raise ConfigError(
                 f"strategy=single runs one process but launch.nproc_per_node="
-                f"{job['launch']['nproc_per_node']} x nnodes={job['launch']['nnodes']} gives "
-                f"{job['launch']['world_size']}; use launch.nproc_per_node=auto or strategy=ddp"
+                f"{job.launch.nproc_per_node} x nnodes={job.launch.nnodes} gives "
+                f"{job.launch.world_size}; use launch.nproc_per_node=auto or strategy=ddp"
             )
 
     def wrap(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
@@ -18,6 +19,9 @@ from mgpu.parallel import (
 )
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy, with_rank
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class TP(Strategy):
@@ -36,9 +40,9 @@ class TP(Strategy):
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
 
-    def validate(self, job: dict) -> None:
+    def validate(self, job: Job) -> None:
         model_class(job).check_parallel(
-            job["model"], tp=job["launch"]["world_size"], pp=1,
+            job.model, tp=job.launch.world_size, pp=1,
             sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
         )
 

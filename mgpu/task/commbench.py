@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from mlflow.tracking import MlflowClient
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
 from mgpu.tracking import MetricLogger
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +102,9 @@ class CommBench:
         self.warmup, self.repeats = warmup, repeats
         self.objective = f"commbench/{self.ops[0]}/busbw_peak_GBps"
 
-    def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
         """Every op at every size; rank 0 logs each point (step = size in bytes) and the table."""
-        tracker = MetricLogger(job["tracking"]["uri"], run_id) if rt.is_main and run_id else None
+        tracker = MetricLogger(job.tracking.uri, run_id) if rt.is_main and run_id else None
         sizes = message_sizes(self.min_bytes, self.max_bytes, self.factor, rt.world_size)
         log.info("commbench: %s on %d rank(s), %d to %d bytes", ", ".join(self.ops),
                  rt.world_size, sizes[0], sizes[-1])
@@ -120,7 +124,7 @@ class CommBench:
             if tracker:
                 tracker.log(summary, 0)
                 tracker.close()
-                MlflowClient(job["tracking"]["uri"]).log_artifact(run_id, str(path))
+                MlflowClient(job.tracking.uri).log_artifact(run_id, str(path))
         return summary
 
     def seconds_per_call(self, op: str, size_bytes: int, rt: Runtime) -> float:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mgpu.run import Run
 from mgpu.runtime import Runtime
+
+if TYPE_CHECKING:
+    from mgpu.config import Job
 
 
 class Train:
     objective = "eval/accuracy"
 
-    def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
         run = Run.build(job, rt, run_id)
         try:
             summary = run.train()
