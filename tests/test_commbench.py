@@ -57,7 +57,7 @@ def test_bad_commbench_input_is_one_config_error(overrides, message, tmp_path):
     assert message in str(error.value)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_commbench_on_two_gloo_processes_logs_bandwidth_against_size(cli, tmp_path):
     result_ = cli("task=commbench", "network=ethernet", "task.max_bytes=65536", "task.repeats=5")
     assert result_.returncode == 0, result_.stderr

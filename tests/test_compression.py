@@ -292,7 +292,7 @@ def test_every_option_trains_in_step_with_measured_bytes(tmp_path, monkeypatch):
     assert powersgd_bytes < fp32 / 2 and powersgd_ratio == fp32 / powersgd_bytes
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_compression_sweep_logs_bytes_to_mlflow(cli, tmp_path):
     """The preset, narrowed to one job (the full sweep is 5 jobs); its metrics reach MLflow."""
     result = cli("-m", "experiment=compression_sweep", "compression=fp16", *QUICK)

@@ -151,7 +151,7 @@ def samples_total(text: str | None, rank: int) -> float:
     return 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces(tmp_path):
     """One 2-rank DDP run with everything on; the exporter is scraped while it trains."""
     port = free_port_pair()

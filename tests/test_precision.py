@@ -252,7 +252,7 @@ def test_every_precision_runs_single_process_with_padding(precision, tmp_path):
 # The command line
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_amp_run_is_tagged_and_logs_the_loss_scale(cli, tmp_path):
     result = cli(*QUICK, "precision=amp", "precision.init_scale=32768")
     assert result.returncode == 0, result.stderr
@@ -263,7 +263,7 @@ def test_amp_run_is_tagged_and_logs_the_loss_scale(cli, tmp_path):
     assert run.data.metrics["train/skipped_steps"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_too_many_nonfinite_steps_fail_the_run_naming_the_step(cli, tmp_path):
     # A learning rate this large blows the weights up: every step after that is non-finite.
     result = cli(*QUICK, "optim=sgd", "optim.lr=1e12", "precision.max_nonfinite_steps=3")
@@ -275,7 +275,7 @@ def test_too_many_nonfinite_steps_fail_the_run_naming_the_step(cli, tmp_path):
     assert "precision.max_nonfinite_steps=3" in run.data.tags["mgpu.error"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_bad_scaler_setting_stops_the_cli_with_one_line(cli, tmp_path):
     result = cli("precision=amp", "precision.backoff_factor=1")
     assert result.returncode == 2
