@@ -1,4 +1,9 @@
-"""Shared helpers: compose configs as the CLI does, launch real gloo worker groups, run the CLI."""
+"""Shared helpers: compose configs as the CLI does, launch real gloo worker groups, run the CLI.
+
+The suite has three tiers, by marker: unit tests (no marker: no process group, no subprocess
+of the CLI; `make test-fast`), `dist` (real gloo process groups) and `e2e` (the CLI in a
+subprocess). `make test` runs all three.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
+from torch.distributed.launcher.api import elastic_launch
 
 from mgpu.config import prepare
 from mgpu.launch import launch
@@ -62,8 +68,28 @@ def mlflow_runs(cwd: Path) -> list:
     return client.search_runs(experiments) if experiments else []
 
 
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process_group(request, monkeypatch):
+    """A test without the `dist` or `e2e` marker fails if it starts a process group, in this
+    process or as a worker group: unmarked, it would run in `make test-fast`, whose budget
+    (< 2 minutes on 2 cores) holds only because no unit test launches anything."""
+    if request.node.get_closest_marker("dist") or request.node.get_closest_marker("e2e"):
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process group: mark it "
+                    "@pytest.mark.dist", pytrace=False)
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    monkeypatch.setattr(elastic_launch, "__call__", refuse)
+
+
 @pytest.fixture
-def cli(tmp_path: Path):
+def cli(request, tmp_path: Path):
+    """`cli(*args)` runs the CLI in `tmp_path`; only `e2e` tests may (see the tiers above)."""
+    if not request.node.get_closest_marker("e2e"):
+        pytest.fail(f"{request.node.nodeid} runs the CLI: mark it @pytest.mark.e2e",
+                    pytrace=False)
     return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)
 
 

@@ -216,6 +216,7 @@ def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_events_nvml_and_mfu(cli, tmp_path):
     """On GPUs: phases from CUDA events still sum to the step, NVML figures and MFU appear."""
