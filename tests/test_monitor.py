@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from mgpu.errors import ConfigError
 from mgpu.model.mlp import MLP
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
+from mgpu.monitor.prometheus import free_port_pair
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
 from tests.conftest import QUICK, launch_job, make_job, mlflow_runs
 
@@ -117,23 +117,6 @@ def test_without_nvml_telemetry_reports_cpu_and_ram_and_does_not_crash():
 def test_bad_monitor_settings_fail_before_launch(tmp_path, overrides, key):
     with pytest.raises(ConfigError, match=key):
         make_job(overrides, tmp_path)
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (one per local rank)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port > 65000:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of ports")
 
 
 def scrape(port: int) -> str | None:
