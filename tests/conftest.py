@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import elastic_launch
 
 from mgpu.config import prepare
+from mgpu.errors import ConfigError
 from mgpu.launch import launch
 from mgpu.runtime import shutdown
 
@@ -39,6 +40,18 @@ def make_job(overrides: list[str], output_dir: Path) -> dict:
     """The resolved job dict the parent would hand to workers (tracking off)."""
     cfg = compose_config([*overrides, f"output_dir={output_dir}", "tracking.enabled=false"])
     return prepare(cfg, cuda_devices=0, torchrun_world=None)
+
+
+def assert_refused(overrides: list[str], message: str, output_dir: Path) -> str:
+    """Composing `overrides` fails in the parent, before any launch, with one ConfigError whose
+    message is a single line containing `message` (the key, the value, what would be valid).
+    Returns that line, for a test that checks all of it."""
+    with pytest.raises(ConfigError) as error:
+        make_job(overrides, output_dir)
+    line = str(error.value)
+    assert message in line, line
+    assert "\n" not in line, line
+    return line
 
 
 def launch_job(overrides: list[str], output_dir: Path) -> tuple[dict, dict]:

@@ -16,7 +16,7 @@ from mgpu.checkpoint import MANIFEST, SafeReader, check_checkpoint, newest_valid
 from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
-from tests.conftest import QUICK, launch_job, make_job
+from tests.conftest import QUICK, assert_refused, launch_job, make_job
 from tests.test_ddp import assert_weights_close
 
 # SGD, so that runs at different world sizes can be compared (see tests/test_ddp.py).
@@ -136,8 +136,7 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp
 
 def test_run_without_resume_refuses_a_checkpoint_dir_it_would_overwrite(tmp_path):
     (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="resume=none would overwrite them"):
-        make_job(["resume=none"], tmp_path)
+    assert_refused(["resume=none"], "resume=none would overwrite them", tmp_path)
 
 
 class _RunsCode:
