@@ -62,6 +62,36 @@ def launch_job(overrides: list[str], output_dir: Path) -> tuple[dict, dict]:
     return results[0], weights
 
 
+class LaunchedOnce:
+    """`launched_once(*overrides)` → (rank 0's summary, final weights), as `launch_job` gives,
+    but each distinct list of overrides launched at most once per session: a reference run
+    (one process, an uninterrupted run to resume against) that several tests compare with
+    costs one launch, not one per test. Its outputs stay in the session's temporary folder
+    (`output_dir(*overrides)`). Callers only read what they get: the weights are shared."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.factory = tmp_path_factory
+        self.runs: dict[tuple[str, ...], tuple[Path, dict, dict]] = {}
+
+    def _run(self, overrides: tuple[str, ...]) -> tuple[Path, dict, dict]:
+        if overrides not in self.runs:
+            out = self.factory.mktemp("launched")
+            self.runs[overrides] = (out, *launch_job(list(overrides), out))
+        return self.runs[overrides]
+
+    def __call__(self, *overrides: str) -> tuple[dict, dict]:
+        _, summary, weights = self._run(overrides)
+        return summary, weights
+
+    def output_dir(self, *overrides: str) -> Path:
+        return self._run(overrides)[0]
+
+
+@pytest.fixture(scope="session")
+def launched_once(tmp_path_factory) -> LaunchedOnce:
+    return LaunchedOnce(tmp_path_factory)
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python -m mgpu ARGS` in `cwd`, tracking into `cwd/mlflow.db`."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}

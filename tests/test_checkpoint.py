@@ -65,12 +65,13 @@ def test_data_position_reshards_without_skipping_or_repeating_a_sample():
 # ---- resume on real worker groups -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """30 steps at world size 2, checkpoints at 10, 20, 30 written in the background."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    summary, weights = launch_job([*CKPT, "checkpoint.async_save=true"], out)
-    return out / "checkpoints", summary, weights
+@pytest.fixture
+def uninterrupted(launched_once) -> tuple[Path, dict, dict]:
+    """30 steps at world size 2, checkpoints at 10, 20, 30 written in the background; launched
+    once per session. Tests copy its checkpoints before they change anything."""
+    overrides = [*CKPT, "checkpoint.async_save=true"]
+    summary, weights = launched_once(*overrides)
+    return launched_once.output_dir(*overrides) / "checkpoints", summary, weights
 
 
 @pytest.mark.dist

@@ -10,7 +10,7 @@ import torch
 from mgpu.config import instantiate_settings
 from mgpu.model.gpt import GPT as GPTModel
 from mgpu.parallel import apply_checkpointing
-from tests.conftest import assert_refused, launch_job, make_job
+from tests.conftest import assert_refused, make_job
 from tests.test_ddp import SGD, assert_weights_close
 
 # Whichever dist test runs first also launches the single-process reference.
@@ -21,18 +21,11 @@ GPT = [*SGD, "model=gpt", "model.dim=32", "model.mlp_ratio=2"]
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """launched(*overrides) → (summary, weights) of model=gpt so trained, each run launched once."""
-    cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
-
-    def run(*overrides: str) -> tuple[dict, dict]:
-        if overrides not in cache:
-            out = tmp_path_factory.mktemp("_".join(overrides).replace("=", "-").replace(".", "-"))
-            cache[overrides] = launch_job([*GPT, *overrides], out)
-        return cache[overrides]
-
-    return run
+@pytest.fixture
+def launched(launched_once):
+    """launched(*overrides) → (summary, weights) of model=gpt so trained, each run launched once
+    per session (the single-process reference serves every parity test)."""
+    return lambda *overrides: launched_once(*GPT, *overrides)
 
 
 def assert_matches_single(launched, *overrides: str, steps: int | None = None) -> dict:
