@@ -10,9 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.utils.data import TensorDataset
 
-from mgpu.checkpoint import MANIFEST, SafeReader, check_checkpoint, newest_valid
+from mgpu.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    SafeReader,
+    check_checkpoint,
+    newest_valid,
+    step_dir,
+)
 from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
@@ -112,11 +120,30 @@ def test_resume_at_world_size_one_skips_a_truncated_checkpoint(uninterrupted, tm
     assert list(root.glob("step_00000030.skipped.*")), "the broken checkpoint was not kept"
 
 
-@pytest.mark.dist
-def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp_path, caplog):
-    saved, _, _ = uninterrupted
+# ---- which checkpoint is picked: the manifest, without a process group ----------------------
+
+
+def commit_checkpoints(root: Path, steps: list[int]) -> None:
+    """Checkpoints at `steps` under `root` as a run commits them: DCP writes the shards and
+    `.metadata` into a partial folder (here one process's save), then rank 0's commit records
+    each file's size and SHA-256 in the manifest and renames the folder into place. Picking
+    and refusing read only those files, so no process group is needed to test them."""
+    job = {"checkpoint": {"dir": str(root), "every_steps": 10, "keep_last": len(steps),
+                          "async_save": False}}
+    checkpointer = Checkpointer(job, Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
+    for step in steps:
+        partial = root / f"{step_dir(root, step).name}.partial.{checkpointer.token}"
+        dcp.save({"weight": torch.full((64,), float(step))}, checkpoint_id=partial, no_dist=True)
+        checkpointer.commit(partial, step)
+    checkpointer.close()
+
+
+# One process writes the shards here on purpose: DCP says it assumes so.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_uncommitted_and_corrupt_checkpoints_are_never_picked(tmp_path, caplog):
     root = tmp_path / "checkpoints"
-    shutil.copytree(saved, root)
+    commit_checkpoints(root, [10, 20, 30])
+    assert newest_valid(root) == root / "step_00000030"
     # Killed after every shard was written, before the commit: no manifest, partial name.
     (root / "step_00000030" / MANIFEST).unlink()
     (root / "step_00000030").rename(root / "step_00000030.partial.dead")
@@ -125,6 +152,7 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp
     data = bytearray(metadata.read_bytes())
     data[-1] ^= 0xFF
     metadata.write_bytes(bytes(data))
+    caplog.clear()  # DCP's own debug records from writing them
     with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
         assert newest_valid(root) == root / "step_00000010"
     [report] = caplog.messages
