@@ -19,6 +19,7 @@ from mgpu.checkpoint import (
     SafeReader,
     check_checkpoint,
     newest_valid,
+    problem,
     step_dir,
 )
 from mgpu.data.loader import TrainBatches
@@ -161,6 +162,13 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(tmp_path, caplog):
     job["resume"] = str(root / "step_00000020")
     with pytest.raises(ConfigError, match="not a valid checkpoint"):
         check_checkpoint(job)
+    # A shard cut short: the size alone gives it away, before any hashing.
+    shard = root / "step_00000010" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    assert problem(root / "step_00000010") == (
+        f"__0_0.distcp has {size // 2} bytes, {size} were written")
+    assert newest_valid(root, report=False) is None
 
 
 def test_run_without_resume_refuses_a_checkpoint_dir_it_would_overwrite(tmp_path):
