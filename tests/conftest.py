@@ -31,9 +31,10 @@ CONF = ROOT / "conf"
 QUICK = ["train.steps=30", "train.warmup_steps=5", "train.log_every=10", "eval.every_steps=0"]
 
 
-def compose_config(overrides: list[str]):
+def compose_config(overrides: list[str], hydra: bool = False):
+    """The config the CLI composes; with `hydra`, also its `hydra` node (sweeper, choices)."""
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
 
 
 def make_job(overrides: list[str], output_dir: Path) -> dict:
