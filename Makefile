@@ -28,11 +28,11 @@ run: install ## train the default experiment (2 processes, DDP, digits) and reco
 sweep: install ## an example sweep: strategy single/ddp x two learning rates, one MLflow parent run
 	$(PY) -m mgpu -m experiment=lr_sweep $(ARGS)
 
-test: lint ## ruff, then the whole suite (unit, distributed and end-to-end tests)
+test: lint ## ruff, then the whole suite: unit, dist (process groups) and e2e (CLI) tiers
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: install ## unit tests only (no process groups, no CLI runs)
-	$(PY) -m pytest -q -m "not dist and not slow" $(ARGS)
+test-fast: install ## the unit tier only: no process groups, no CLI runs (< 2 min)
+	$(PY) -m pytest -q -m "not dist and not e2e" $(ARGS)
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check mgpu tests scripts

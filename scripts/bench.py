@@ -12,7 +12,6 @@ import csv
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+
+from mgpu.monitor.prometheus import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,19 +132,6 @@ def bench_commbench(rounds: int, workdir: Path) -> dict:
         "setup": f"python -m mgpu task=commbench task.max_bytes={max_bytes}: 1 KiB - 4 MiB "
                  "float32, 5 warm-up + 20 timed calls per size, 2 gloo processes",
     }
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 also free on 127.0.0.1: the exporters of two local ranks."""
-    while True:
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def bench_monitoring(rounds: int, workdir: Path) -> dict:

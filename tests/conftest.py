@@ -1,4 +1,9 @@
-"""Shared helpers: compose configs as the CLI does, launch real gloo worker groups, run the CLI."""
+"""Shared helpers: compose configs as the CLI does, launch real gloo worker groups, run the CLI.
+
+The suite has three tiers, by marker: unit tests (no marker: no process group, no subprocess
+of the CLI; `make test-fast`), `dist` (real gloo process groups) and `e2e` (the CLI in a
+subprocess). `make test` runs all three.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
+from torch.distributed.launcher.api import elastic_launch
 
 from mgpu.config import Job, prepare
+from mgpu.errors import ConfigError
 from mgpu.launch import launch
 from mgpu.runtime import shutdown
 
@@ -24,9 +31,10 @@ CONF = ROOT / "conf"
 QUICK = ["train.steps=30", "train.warmup_steps=5", "train.log_every=10", "eval.every_steps=0"]
 
 
-def compose_config(overrides: list[str]):
+def compose_config(overrides: list[str], hydra: bool = False):
+    """The config the CLI composes; with `hydra`, also its `hydra` node (sweeper, choices)."""
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
 
 
 def make_job(overrides: list[str], output_dir: Path) -> Job:
@@ -35,12 +43,54 @@ def make_job(overrides: list[str], output_dir: Path) -> Job:
     return prepare(cfg, cuda_devices=0, torchrun_world=None)
 
 
+def assert_refused(overrides: list[str], message: str, output_dir: Path) -> str:
+    """Composing `overrides` fails in the parent, before any launch, with one ConfigError whose
+    message is a single line containing `message` (the key, the value, what would be valid).
+    Returns that line, for a test that checks all of it."""
+    with pytest.raises(ConfigError) as error:
+        make_job(overrides, output_dir)
+    line = str(error.value)
+    assert message in line, line
+    assert "\n" not in line, line
+    return line
+
+
 def launch_job(overrides: list[str], output_dir: Path) -> tuple[dict, dict]:
     """Launch a real worker group; returns (rank 0's summary, the final full model weights)."""
     job = make_job(overrides, output_dir)
     results = launch(job, run_id=None, env={})
     weights = torch.load(output_dir / "model.pt", weights_only=True)
     return results[0], weights
+
+
+class LaunchedOnce:
+    """`launched_once(*overrides)` → (rank 0's summary, final weights), as `launch_job` gives,
+    but each distinct list of overrides launched at most once per session: a reference run
+    (one process, an uninterrupted run to resume against) that several tests compare with
+    costs one launch, not one per test. Its outputs stay in the session's temporary folder
+    (`output_dir(*overrides)`). Callers only read what they get: the weights are shared."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.factory = tmp_path_factory
+        self.runs: dict[tuple[str, ...], tuple[Path, dict, dict]] = {}
+
+    def _run(self, overrides: tuple[str, ...]) -> tuple[Path, dict, dict]:
+        if overrides not in self.runs:
+            out = self.factory.mktemp("launched")
+            self.runs[overrides] = (out, *launch_job(list(overrides), out))
+        return self.runs[overrides]
+
+    def __call__(self, *overrides: str) -> tuple[dict, dict]:
+        _, summary, weights = self._run(overrides)
+        return summary, weights
+
+    def output_dir(self, *overrides: str) -> Path:
+        return self._run(overrides)[0]
+
+
+@pytest.fixture(scope="session")
+def launched_once(tmp_path_factory) -> LaunchedOnce:
+    return LaunchedOnce(tmp_path_factory)
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -62,8 +112,28 @@ def mlflow_runs(cwd: Path) -> list:
     return client.search_runs(experiments) if experiments else []
 
 
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process_group(request, monkeypatch):
+    """A test without the `dist` or `e2e` marker fails if it starts a process group, in this
+    process or as a worker group: unmarked, it would run in `make test-fast`, whose budget
+    (< 2 minutes on 2 cores) holds only because no unit test launches anything."""
+    if request.node.get_closest_marker("dist") or request.node.get_closest_marker("e2e"):
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process group: mark it "
+                    "@pytest.mark.dist", pytrace=False)
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    monkeypatch.setattr(elastic_launch, "__call__", refuse)
+
+
 @pytest.fixture
-def cli(tmp_path: Path):
+def cli(request, tmp_path: Path):
+    """`cli(*args)` runs the CLI in `tmp_path`; only `e2e` tests may (see the tiers above)."""
+    if not request.node.get_closest_marker("e2e"):
+        pytest.fail(f"{request.node.nodeid} runs the CLI: mark it @pytest.mark.e2e",
+                    pytrace=False)
     return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)
 
 

@@ -11,13 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.utils.data import TensorDataset
 
-from mgpu.checkpoint import MANIFEST, SafeReader, check_checkpoint, newest_valid
+from mgpu.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    SafeReader,
+    check_checkpoint,
+    newest_valid,
+    problem,
+    step_dir,
+)
 from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
-from tests.conftest import QUICK, launch_job, make_job
+from tests.conftest import QUICK, assert_refused, launch_job, make_job
 from tests.test_ddp import assert_weights_close
 
 # SGD, so that runs at different world sizes can be compared (see tests/test_ddp.py).
@@ -66,12 +75,13 @@ def test_data_position_reshards_without_skipping_or_repeating_a_sample():
 # ---- resume on real worker groups -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """30 steps at world size 2, checkpoints at 10, 20, 30 written in the background."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    summary, weights = launch_job([*CKPT, "checkpoint.async_save=true"], out)
-    return out / "checkpoints", summary, weights
+@pytest.fixture
+def uninterrupted(launched_once) -> tuple[Path, dict, dict]:
+    """30 steps at world size 2, checkpoints at 10, 20, 30 written in the background; launched
+    once per session. Tests copy its checkpoints before they change anything."""
+    overrides = [*CKPT, "checkpoint.async_save=true"]
+    summary, weights = launched_once(*overrides)
+    return launched_once.output_dir(*overrides) / "checkpoints", summary, weights
 
 
 @pytest.mark.dist
@@ -112,11 +122,30 @@ def test_resume_at_world_size_one_skips_a_truncated_checkpoint(uninterrupted, tm
     assert list(root.glob("step_00000030.skipped.*")), "the broken checkpoint was not kept"
 
 
-@pytest.mark.dist
-def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp_path, caplog):
-    saved, _, _ = uninterrupted
+# ---- which checkpoint is picked: the manifest, without a process group ----------------------
+
+
+def commit_checkpoints(root: Path, steps: list[int]) -> None:
+    """Checkpoints at `steps` under `root` as a run commits them: DCP writes the shards and
+    `.metadata` into a partial folder (here one process's save), then rank 0's commit records
+    each file's size and SHA-256 in the manifest and renames the folder into place. Picking
+    and refusing read only those files, so no process group is needed to test them."""
+    job = {"checkpoint": {"dir": str(root), "every_steps": 10, "keep_last": len(steps),
+                          "async_save": False}}
+    checkpointer = Checkpointer(job, Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
+    for step in steps:
+        partial = root / f"{step_dir(root, step).name}.partial.{checkpointer.token}"
+        dcp.save({"weight": torch.full((64,), float(step))}, checkpoint_id=partial, no_dist=True)
+        checkpointer.commit(partial, step)
+    checkpointer.close()
+
+
+# One process writes the shards here on purpose: DCP says it assumes so.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_uncommitted_and_corrupt_checkpoints_are_never_picked(tmp_path, caplog):
     root = tmp_path / "checkpoints"
-    shutil.copytree(saved, root)
+    commit_checkpoints(root, [10, 20, 30])
+    assert newest_valid(root) == root / "step_00000030"
     # Killed after every shard was written, before the commit: no manifest, partial name.
     (root / "step_00000030" / MANIFEST).unlink()
     (root / "step_00000030").rename(root / "step_00000030.partial.dead")
@@ -125,6 +154,7 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp
     data = bytearray(metadata.read_bytes())
     data[-1] ^= 0xFF
     metadata.write_bytes(bytes(data))
+    caplog.clear()  # DCP's own debug records from writing them
     with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
         assert newest_valid(root) == root / "step_00000010"
     [report] = caplog.messages
@@ -133,12 +163,18 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(uninterrupted, tmp
     job = dataclasses.replace(job, resume=str(root / "step_00000020"))
     with pytest.raises(ConfigError, match="not a valid checkpoint"):
         check_checkpoint(job)
+    # A shard cut short: the size alone gives it away, before any hashing.
+    shard = root / "step_00000010" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    assert problem(root / "step_00000010") == (
+        f"__0_0.distcp has {size // 2} bytes, {size} were written")
+    assert newest_valid(root, report=False) is None
 
 
 def test_run_without_resume_refuses_a_checkpoint_dir_it_would_overwrite(tmp_path):
     (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="resume=none would overwrite them"):
-        make_job(["resume=none"], tmp_path)
+    assert_refused(["resume=none"], "resume=none would overwrite them", tmp_path)
 
 
 class _RunsCode:

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import QUICK, mlflow_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def test_default_run_is_recorded_in_mlflow(cli, tmp_path):

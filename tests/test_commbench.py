@@ -8,9 +8,8 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from mgpu.errors import ConfigError
 from mgpu.task.commbench import OPS, bus_factor, message_sizes, result
-from tests.conftest import make_job, mlflow_runs
+from tests.conftest import assert_refused, mlflow_runs
 
 
 @pytest.mark.parametrize(
@@ -52,12 +51,10 @@ def test_message_sizes_double_and_split_evenly_over_ranks():
     ],
 )
 def test_bad_commbench_input_is_one_config_error(overrides, message, tmp_path):
-    with pytest.raises(ConfigError) as error:
-        make_job(["task=commbench", *overrides], tmp_path)
-    assert message in str(error.value)
+    assert_refused(["task=commbench", *overrides], message, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_commbench_on_two_gloo_processes_logs_bandwidth_against_size(cli, tmp_path):
     result_ = cli("task=commbench", "network=ethernet", "task.max_bytes=65536", "task.repeats=5")
     assert result_.returncode == 0, result_.stderr

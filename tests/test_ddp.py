@@ -18,21 +18,26 @@ def assert_weights_close(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
 
 
-def test_ddp_matches_single_process(tmp_path):
-    single, single_w = launch_job([*SGD, "strategy=single"], tmp_path / "single")
+# The one-process reference both parity tests compare with: launched once (`launched_once`).
+SINGLE = [*SGD, "strategy=single"]
+
+
+def test_ddp_matches_single_process(launched_once, tmp_path):
+    single, single_w = launched_once(*SINGLE)
     ddp, ddp_w = launch_job([*SGD, "strategy=ddp", "launch.nproc_per_node=2"], tmp_path / "ddp")
     assert_weights_close(ddp_w, single_w, atol=1e-5)
     assert ddp["train/loss"] == pytest.approx(single["train/loss"], abs=1e-5)
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+def test_gradient_accumulation_matches_one_big_batch(launched_once, tmp_path):
     """2 ranks x 2 micro-batches of 16 (no_sync on the first) == one process on 64 samples."""
-    _, single_w = launch_job([*SGD, "strategy=single"], tmp_path / "single")
+    _, single_w = launched_once(*SINGLE)
     _, accum_w = launch_job([*SGD, "strategy=ddp", "train.grad_accum=2"], tmp_path / "accum")
     assert_weights_close(accum_w, single_w, atol=1e-5)
 
 
 def test_same_seed_is_bitwise_repeatable(tmp_path):
+    """Three launches of their own: a cached run could not show that a second one repeats."""
     _, first = launch_job([*QUICK, "seed=3"], tmp_path / "a")
     _, second = launch_job([*QUICK, "seed=3"], tmp_path / "b")
     _, other = launch_job([*QUICK, "seed=4"], tmp_path / "c")

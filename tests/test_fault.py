@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import QUICK, mlflow_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 SHORT = [arg for arg in QUICK if not arg.startswith("train.steps=")]
 
 

@@ -62,7 +62,7 @@ def test_eval_and_checkpoint_stalls_stay_out_of_the_step_figures(tmp_path):
     assert not [k for k in summary if k.startswith(("amp/", "comm/", "time/slowest_rank"))]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_short_runs_cap_the_warmup_and_run_with_every_warmup_option(cli, tmp_path):
     """`train.steps=10` under defaults made for 500 steps: the training warm-up is capped at
     half the run (said once), and the options with warm-ups of their own run."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,11 +15,11 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from mgpu.errors import ConfigError
 from mgpu.model.mlp import MLP
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
+from mgpu.monitor.prometheus import free_port_pair
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
-from tests.conftest import QUICK, launch_job, make_job, mlflow_runs
+from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
 
 MLP_CFG = {"_target_": "mgpu.model.mlp.MLP", "hidden": [256, 256]}
 
@@ -115,25 +114,7 @@ def test_without_nvml_telemetry_reports_cpu_and_ram_and_does_not_crash():
     ],
 )
 def test_bad_monitor_settings_fail_before_launch(tmp_path, overrides, key):
-    with pytest.raises(ConfigError, match=key):
-        make_job(overrides, tmp_path)
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (one per local rank)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port > 65000:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of ports")
+    assert_refused(overrides, key, tmp_path)
 
 
 def scrape(port: int) -> str | None:
@@ -151,7 +132,7 @@ def samples_total(text: str | None, rank: int) -> float:
     return 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces(tmp_path):
     """One 2-rank DDP run with everything on; the exporter is scraped while it trains."""
     port = free_port_pair()
@@ -216,6 +197,7 @@ def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_events_nvml_and_mfu(cli, tmp_path):
     """On GPUs: phases from CUDA events still sum to the step, NVML figures and MFU appear."""

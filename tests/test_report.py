@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from mgpu.model.mlp import MLP
 from tests.conftest import QUICK, mlflow_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def test_report_turns_a_2x2_sweep_into_a_table_and_plots(cli, tmp_path):

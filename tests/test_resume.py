@@ -41,17 +41,10 @@ PARTS = {
 ATOL = {"powersgd_error_and_q": 1e-5}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """part -> (summary, weights) of its run without a fault, launched once per module."""
-    cache: dict[str, tuple[dict, dict]] = {}
-
-    def get(part: str) -> tuple[dict, dict]:
-        if part not in cache:
-            cache[part] = launch_job([*SHORT, *PARTS[part]], tmp_path_factory.mktemp(part))
-        return cache[part]
-
-    return get
+@pytest.fixture
+def uninterrupted(launched_once):
+    """part -> (summary, weights) of its run without a fault, launched once per session."""
+    return lambda part: launched_once(*SHORT, *PARTS[part])
 
 
 def rank0_log(output_dir: Path) -> str:

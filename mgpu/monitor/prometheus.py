@@ -8,6 +8,7 @@ carries a `rank` label, so one Prometheus job scraping all ports sees the whole 
 from __future__ import annotations
 
 import logging
+import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -84,3 +85,22 @@ class Exporter:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p with p and p + 1 both free on `host`: `monitor.prometheus_port=p` for two local
+    ranks, which serve on p and p + 1. For tests and benchmarks that scrape a 2-rank run; a
+    port free now may be taken before the run binds it, so it is a good guess, not a lease."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            if port > 65000:  # keep p + 1 a valid port, away from the very top
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind((host, port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError(f"no two adjacent free ports on {host}")
