@@ -30,6 +30,7 @@ from mgpu.compression import Compression
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
+from mgpu.parallel import parallelize
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
@@ -65,8 +66,9 @@ class Run:
 
     @classmethod
     def build(cls, job: dict, rt: Runtime, run_id: str | None) -> Run:
-        """Data → model → precision → strategy → compression → balance → optimizer → tracking
-        → checkpointer, then the state of the checkpoint to resume from, if any."""
+        """Data → model → precision → the strategy's plan → its mesh → the model laid out by
+        it → compression → balance → optimizer → tracking → checkpointer, then the state of
+        the checkpoint to resume from, if any."""
         torch.manual_seed(job["seed"])  # same initial weights on every rank
         data = instantiate(job["data"])
         train_set, val_set = data.splits(job["seed"])
@@ -76,9 +78,16 @@ class Run:
         precision = instantiate(job["precision"])
         model = precision.prepare(model)
         strategy = instantiate(job["strategy"])
-        model = strategy.wrap(model, rt, instantiate(job["network"]), precision)
+        plan = strategy.plan(rt.world_size)
+        mesh = plan.device_mesh(rt.device)  # the one mesh: every step below slices it
+        # Pipeline split, then on each stage TP → activation checkpointing → FSDP2 or DDP.
+        layout = parallelize(
+            model, plan, mesh, rt.device, precision, instantiate(job["network"])
+        )
+        strategy.use(layout)  # the step, evaluation and export run on this layout
+        model = layout.model
         precision.attach(model, rt.device)
-        data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
+        data_rt = layout.data_runtime(rt)  # ranks sharing one model replica read the same data
         # From here on each replica draws its own dropout masks; ranks that share a replica (its
         # tp and pp peers) keep drawing alike, as their replicated activations need.
         torch.manual_seed(replica_seed(job["seed"], data_rt.rank))

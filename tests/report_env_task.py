@@ -10,6 +10,7 @@ import os
 from torch import nn
 
 from mgpu.config import instantiate_settings
+from mgpu.parallel import parallelize
 from mgpu.runtime import Runtime
 
 
@@ -20,7 +21,11 @@ class ReportEnv:
         network = instantiate_settings(job["network"])
         precision = instantiate_settings(job["precision"])
         strategy = instantiate_settings(job["strategy"])
-        model = strategy.wrap(nn.Linear(4, 2), rt, network, precision)
+        plan = strategy.plan(rt.world_size)
+        layout = parallelize(
+            nn.Linear(4, 2), plan, plan.device_mesh(rt.device), rt.device, precision, network
+        )
+        model = layout.model
         return {
             "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))},
             "bucket_bytes_cap": model.bucket_bytes_cap,
