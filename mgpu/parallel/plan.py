@@ -82,6 +82,7 @@ class ParallelPlan:
 
     @property
     def shards(self) -> bool:
+        """FSDP2 holds the parameters (sharded, or replicated by HSDP), not whole modules."""
         return isinstance(self.data_parallel, FSDPOptions)
 
     def mesh_dims(self) -> dict[str, int]:

@@ -81,6 +81,7 @@ class Strategy(ABC):
 
     @property
     def pipe(self) -> Pipeline | None:
+        """The layout's pipeline, where the plan has one: it runs the step itself."""
         return self.layout.pipe if self.layout is not None else None
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
