@@ -1,17 +1,18 @@
-"""Step-time and throughput figures, kept cheap enough to sit inside the training loop."""
+"""Step-time, throughput and memory figures, kept cheap enough to sit inside the training loop."""
 
 from __future__ import annotations
 
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -125,3 +126,39 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank actually holds for `tensor` (its shard, for a DTensor)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds; ZeroRedundancyOptimizer keeps this rank's
+    shard of the state in its inner optimizer."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return sum(
+        local_bytes(value)
+        for state in inner.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def memory_metrics(
+    params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
+) -> dict[str, float]:
+    """Parameter and optimizer-state bytes held by one rank, the largest over all ranks: what
+    sharding saves shows on the rank that saves least."""
+    held = torch.tensor(
+        [sum(local_bytes(p) for p in params), optimizer_state_bytes(optimizer)],
+        dtype=torch.float64,
+    )
+    if dist.is_initialized():
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    return {
+        "memory/param_bytes_per_rank": held[0].item(),
+        "memory/optimizer_bytes_per_rank": held[1].item(),
+    }

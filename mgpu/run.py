@@ -31,6 +31,7 @@ from mgpu.config import build
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
+from mgpu.parallel import parallelize
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
@@ -69,8 +70,9 @@ class Run:
 
     @classmethod
     def build(cls, job: Job, rt: Runtime, run_id: str | None) -> Run:
-        """Data → model → precision → strategy → compression → balance → optimizer → tracking
-        → checkpointer, then the state of the checkpoint to resume from, if any."""
+        """Data → model → precision → the strategy's plan → its mesh → the model laid out by
+        it → compression → balance → optimizer → tracking → checkpointer, then the state of
+        the checkpoint to resume from, if any."""
         torch.manual_seed(job.seed)  # same initial weights on every rank
         data = build(job.data)
         train_set, val_set = data.splits(job.seed)
@@ -80,9 +82,16 @@ class Run:
         precision = build(job.precision)
         model = precision.prepare(model)
         strategy = build(job.strategy)
-        model = strategy.wrap(model, rt, build(job.network), precision)
+        plan = strategy.plan(rt.world_size)
+        mesh = plan.device_mesh(rt.device)  # the one mesh: every step below slices it
+        # Pipeline split, then on each stage TP → activation checkpointing → FSDP2 or DDP.
+        layout = parallelize(
+            model, plan, mesh, rt.device, precision, build(job.network)
+        )
+        strategy.use(layout)  # the step, evaluation and export run on this layout
+        model = layout.model
         precision.attach(model, rt.device)
-        data_rt = strategy.data_runtime(rt)  # ranks sharing one model replica read the same data
+        data_rt = layout.data_runtime(rt)  # ranks sharing one model replica read the same data
         # From here on each replica draws its own dropout masks; ranks that share a replica (its
         # tp and pp peers) keep drawing alike, as their replicated activations need.
         torch.manual_seed(replica_seed(job.seed, data_rt.rank))
@@ -126,9 +135,9 @@ class Run:
         Log points, evaluation and checkpoints run as stalls of the meter: they are timed on
         their own and left out of the step figures."""
         cfg = self.job.train
-        steps, log_every = cfg.steps, cfg.log_every
+        steps, log_every = cfg["steps"], cfg["log_every"]
         eval_every = self.job.eval.every_steps
-        meter = StepMeter(self.job.data["batch_size"], cfg.warmup_steps, self.rt.device)
+        meter = StepMeter(self.job.data["batch_size"], cfg["warmup_steps"], self.rt.device)
         fail_at = fault.fault_step(self.job.fault, self.rt.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
         metrics: dict[str, float] = {}

@@ -9,18 +9,23 @@ import os
 
 from torch import nn
 
-from mgpu.config import build
+from mgpu.config import Job, build
+from mgpu.parallel import parallelize
 from mgpu.runtime import Runtime
 
 
 class ReportEnv:
     objective = "bucket_bytes_cap"
 
-    def run(self, job: dict, rt: Runtime, run_id: str | None) -> dict:
+    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict:
         network = build(job.network)
         precision = build(job.precision)
         strategy = build(job.strategy)
-        model = strategy.wrap(nn.Linear(4, 2), rt, network, precision)
+        plan = strategy.plan(rt.world_size)
+        layout = parallelize(
+            nn.Linear(4, 2), plan, plan.device_mesh(rt.device), rt.device, precision, network
+        )
+        model = layout.model
         return {
             "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))},
             "bucket_bytes_cap": model.bucket_bytes_cap,

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, unpack
 from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unpack_signs
-from mgpu.config import build
+from mgpu.config import Job, build
 from mgpu.run import Run
 from mgpu.runtime import Runtime, init_runtime, shutdown
 from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
@@ -195,7 +195,7 @@ def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict
         shutdown()  # after every run is freed (see `shutdown`)
 
 
-def train_checking_replicas(job: dict, rt, check_from: int) -> dict:
+def train_checking_replicas(job: Job, rt, check_from: int) -> dict:
     run = Run.build(job, rt, None)
     mismatched_steps = []
     for step in range(1, job.train.steps + 1):
@@ -254,7 +254,7 @@ def clone_tree(tree):
     return tree
 
 
-def fp32_gradient_bytes(job: dict) -> int:
+def fp32_gradient_bytes(job: Job) -> int:
     """Bytes of the job's model gradients in fp32: what plain all-reduce hands over per step."""
     data = build(job.data)
     model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)

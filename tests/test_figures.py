@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import tracking
-from mgpu.config import build
+from mgpu.config import Job, build
 from mgpu.launch import launch
 from mgpu.model.mlp import MLP
 from mgpu.run import Run
@@ -96,7 +96,7 @@ def test_train_loss_is_the_global_batch_mean_under_an_uneven_split(tmp_path):
     assert split["train/loss"] == pytest.approx(single["train/loss"], abs=1e-5)
 
 
-def fp32_gradient_bytes(job: dict) -> int:
+def fp32_gradient_bytes(job: Job) -> int:
     data = build(job.data)
     model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return 4 * sum(p.numel() for p in model.parameters())

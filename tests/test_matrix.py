@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.tensor import DTensor
 
-from mgpu.config import build
+from mgpu.config import Job, build
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.matrix import BEGIN, END, axis_options, covering_rows, overrides, refused_rows, render
 from mgpu.precision.padding import WRAPPER_NAMES
@@ -130,7 +130,7 @@ def run_cells(jobs: dict[str, dict], results: str, timeout_s: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train_cell(job: dict, rt) -> dict:
+def train_cell(job: Job, rt) -> dict:
     """The real training loop, checked after every step; what the test compares afterwards."""
     run = Run.build(job, rt, None)
     losses: dict[int, float] = {}
@@ -196,7 +196,7 @@ def replicas_agree(run: Run) -> bool:
     return all(len({d[name] for d in everyone if name in d}) == 1 for name in digests)
 
 
-def predictions_agree(run: Run, job: dict) -> bool:
+def predictions_agree(run: Run, job: Job) -> bool:
     """Every rank predicts bitwise the same logits for the same held-out inputs."""
     _, val_set = build(job.data).splits(job.seed)
     inputs = torch.stack([val_set[i][0] for i in range(32)]).to(run.rt.device)

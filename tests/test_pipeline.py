@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mgpu.config import build
+from mgpu.config import Job, build
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.gpt import GPT
 from mgpu.pipeline import Pipeline
@@ -74,7 +74,7 @@ def test_bf16_crosses_stages_intact_and_every_rank_gets_the_last_stage_logits(tm
         torch.testing.assert_close(logits, whole, rtol=0, atol=0, msg=f"rank {rank}")
 
 
-def evaluate_alone(job: dict, weights: dict[str, torch.Tensor], bf16: bool) -> dict[str, float]:
+def evaluate_alone(job: Job, weights: dict[str, torch.Tensor], bf16: bool) -> dict[str, float]:
     """`weights` loaded strictly into the job's unpadded model, evaluated by one process on the
     whole held-out set in the run's eval batches."""
     data = build(job.data)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from mgpu import tracking
+from mgpu.config import Job
 from mgpu.launch import launch
 from mgpu.model.cnn import CNN
 from mgpu.model.mlp import MLP
@@ -142,7 +143,7 @@ SCALER = ["precision.init_scale=1024", "precision.growth_interval=4"]
 LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
 
 
-def train_and_save_every_rank(job: dict, run_id: str | None, env: dict | None = None) -> dict:
+def train_and_save_every_rank(job: Job, run_id: str | None, env: dict | None = None) -> dict:
     """worker.main, but every rank saves its own weights, to compare the replicas."""
     rt = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
@@ -151,7 +152,7 @@ def train_and_save_every_rank(job: dict, run_id: str | None, env: dict | None = 
         shutdown()  # after the run is freed (see `shutdown`)
 
 
-def train_and_save(job: dict, rt, run_id: str | None) -> dict:
+def train_and_save(job: Job, rt, run_id: str | None) -> dict:
     run = Run.build(job, rt, run_id)
     try:
         summary = run.train()

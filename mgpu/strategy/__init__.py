@@ -1,15 +1,17 @@
 """Parallel strategies: how the model is placed on ranks and how its gradients are synchronised.
 
-Options subclass `Strategy` explicitly to inherit the defaults below, which fit any strategy
-whose every rank runs the whole forward and backward pass (single, ddp, zero1, fsdp, tp);
-pipeline parallelism overrides the step, the prediction and the gathering of weights.
+A strategy is settings that build a `ParallelPlan` (`plan`); `mgpu.parallel.parallelize` lays
+the model out by it, and the strategy runs the step on the `Layout` it is given (`use`). What
+differs between strategies is their plan and what they declare; the step, evaluation and
+export follow from the layout (a pipeline or not; DDP, FSDP2 or neither), so they live here
+once. zero1 alone adds its own optimizer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +23,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from mgpu.parallel import memory_metrics
+from mgpu.meter import memory_metrics
+from mgpu.parallel import DDPOptions, FSDPOptions, Layout, ParallelPlan, check_checkpointing
+from mgpu.parallel.fsdp import gradient_sync_off
+from mgpu.pipeline import Pipeline
 from mgpu.precision.padding import unpad_state_dict
-from mgpu.runtime import Runtime
 
 if TYPE_CHECKING:
     from mgpu.config import Job
@@ -36,12 +40,13 @@ if TYPE_CHECKING:
 BY_PARAMETER_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class Strategy(Protocol):
+class Strategy(ABC):
     """What a strategy declares (plain class attributes, or properties where its settings
-    decide), read by the cross-group rules in `mgpu.support` and the support matrix."""
+    decide), read by the cross-group rules in `mgpu.support` and the support matrix; its plan;
+    and the step on the layout built from that plan."""
 
     #: Number of processes the strategy requires, or None for any.
-    world_size: int | None
+    world_size: int | None = None
     #: Every rank holds every parameter whole, so all ranks' gradients agree after the step.
     replicates_params: bool
     #: Gradients travel through DDP, so a compression's or a balance's comm hook can carry them.
@@ -56,21 +61,40 @@ class Strategy(Protocol):
     #: Model methods the strategy splits the model with (`mgpu.support.MODEL_PLANS`).
     model_plans: tuple[str, ...]
 
-    def validate(self, job: Job) -> None:
-        """Raise ConfigError for settings this strategy cannot run with (parent, before launch)."""
+    #: The layout the run trains, once `use` is given it (in each worker).
+    layout: Layout | None = None
 
-    def wrap(
-        self, model: nn.Module, rt: Runtime, network: object, precision: object
-    ) -> nn.Module:
-        """Return the model placed on `rt.device` and ready for parallel training."""
+    def __init__(self, activation_checkpointing: str = "none") -> None:
+        """Every strategy takes `activation_checkpointing` (none | full | selective)."""
+        check_checkpointing(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
+
+    @abstractmethod
+    def plan(self, world_size: int) -> ParallelPlan:
+        """This strategy's layout of one model over `world_size` ranks."""
+
+    def validate(self, job: Job) -> None:
+        """Raise ConfigError for settings this strategy cannot run with (parent, before launch):
+        what its plan asks of the batch, the data and the model."""
+        self.plan(job.launch.world_size).check(job)
+
+    def use(self, layout: Layout) -> None:
+        """Run the step, evaluation and export on `layout` (the model `parallelize` made)."""
+        self.layout = layout
+
+    @property
+    def pipe(self) -> Pipeline | None:
+        """The layout's pipeline, where the plan has one: it runs the step itself."""
+        return self.layout.pipe if self.layout is not None else None
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Context for micro-batches whose gradients are only accumulated, not synchronised."""
-
-    def data_runtime(self, rt: Runtime) -> Runtime:
-        """`rt` as the data loaders should see it: rank and size within the data-parallel group
-        (ranks that split one model between them must read the same samples)."""
-        return rt
+        data_parallel = self.layout.plan.data_parallel
+        if self.pipe is None and isinstance(data_parallel, DDPOptions):
+            return model.no_sync()
+        if self.pipe is None and isinstance(data_parallel, FSDPOptions):
+            return gradient_sync_off(model)
+        return nullcontext()  # nothing synchronises gradients, or pipelines accumulate already
 
     def build_optimizer(
         self, optim: object, model: nn.Module, total_steps: int
@@ -102,6 +126,10 @@ class Strategy(Protocol):
         (train.grad_accum on an equal split); `timer` times the phases (a no-op unless
         monitoring is on).
         """
+        if self.pipe is not None:
+            # The schedule interleaves forward and backward passes: timed as one phase.
+            with timer.phase("backward"), precision.autocast(inputs.device):
+                return self.pipe.forward_backward(inputs, labels)
         with timer.phase("forward"), precision.autocast(inputs.device):
             loss = F.cross_entropy(model(inputs), labels)
         with timer.phase("backward"):
@@ -110,21 +138,18 @@ class Strategy(Protocol):
 
     def predict(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """Logits for `inputs` (evaluation, under no_grad)."""
-        return model(inputs)
+        return self.pipe.predict(inputs) if self.pipe is not None else model(inputs)
 
     def metrics(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Strategy figures at a log point: bytes of parameters and optimizer state per rank."""
-        return memory_metrics(model.parameters(), optimizer)
+        """Strategy figures at a log point: bytes of parameters and optimizer state per rank,
+        and a pipeline's bubble."""
+        bubble = self.pipe.bubble_metrics() if self.pipe is not None else {}
+        return {**memory_metrics(model.parameters(), optimizer), **bubble}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU at the model's own sizes (tensor-core padding cut
         off), complete on rank 0; every rank must call it."""
+        if self.pipe is not None:
+            return self.pipe.full_state_dict()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return unpad_state_dict(get_model_state_dict(model, options=options), model)
-
-
-def with_rank(rt: Runtime, rank: int, world_size: int) -> Runtime:
-    return dataclasses.replace(rt, rank=rank, world_size=world_size)
-
-
-

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-from mgpu.parallel import apply_checkpointing, check_checkpointing
-from mgpu.runtime import Runtime
+from mgpu.parallel import DDPOptions, ParallelPlan
 from mgpu.strategy import Strategy
 
 
@@ -27,24 +21,11 @@ class DDP(Strategy):
         static_graph: bool = False,
         activation_checkpointing: str = "none",
     ) -> None:
-        check_checkpointing(activation_checkpointing)
-        self.find_unused_parameters = find_unused_parameters
-        self.static_graph = static_graph
-        self.activation_checkpointing = activation_checkpointing
+        super().__init__(activation_checkpointing)
+        self.ddp = DDPOptions(find_unused_parameters, static_graph)
 
-    def wrap(
-        self, model: nn.Module, rt: Runtime, network: object, precision: object
-    ) -> nn.Module:
-        apply_checkpointing(model, self.activation_checkpointing)
-        model = model.to(rt.device)
-        return DistributedDataParallel(
-            model,
-            device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-            bucket_cap_mb=network.bucket_cap_mb,
-            gradient_as_bucket_view=network.gradient_as_bucket_view,
-            find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph,
+    def plan(self, world_size: int) -> ParallelPlan:
+        return ParallelPlan(
+            dp_replicate=world_size, data_parallel=self.ddp,
+            activation_checkpointing=self.activation_checkpointing,
         )
-
-    def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return model.no_sync()

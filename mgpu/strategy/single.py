@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
-from torch import nn
-
 from mgpu.errors import ConfigError
-from mgpu.parallel import apply_checkpointing, check_checkpointing
-from mgpu.runtime import Runtime
+from mgpu.parallel import ParallelPlan
 from mgpu.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -25,9 +21,8 @@ class Single(Strategy):
     uneven_batches = True  # one share: the whole batch
     model_plans = ()
 
-    def __init__(self, activation_checkpointing: str = "none") -> None:
-        check_checkpointing(activation_checkpointing)
-        self.activation_checkpointing = activation_checkpointing
+    def plan(self, world_size: int) -> ParallelPlan:
+        return ParallelPlan(activation_checkpointing=self.activation_checkpointing)
 
     def validate(self, job: Job) -> None:
         if job.launch.world_size != 1:
@@ -36,12 +31,4 @@ class Single(Strategy):
                 f"{job.launch.nproc_per_node} x nnodes={job.launch.nnodes} gives "
                 f"{job.launch.world_size}; use launch.nproc_per_node=auto or strategy=ddp"
             )
-
-    def wrap(
-        self, model: nn.Module, rt: Runtime, network: object, precision: object
-    ) -> nn.Module:
-        apply_checkpointing(model, self.activation_checkpointing)
-        return model.to(rt.device)
-
-    def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return nullcontext()
+        super().validate(job)

@@ -3,25 +3,8 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
-
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
-
-from mgpu.parallel import (
-    apply_checkpointing,
-    check_checkpointing,
-    data_input_shape,
-    model_class,
-)
-from mgpu.runtime import Runtime
-from mgpu.strategy import Strategy, with_rank
-
-if TYPE_CHECKING:
-    from mgpu.config import Job
+from mgpu.parallel import ParallelPlan
+from mgpu.strategy import Strategy
 
 
 class TP(Strategy):
@@ -36,41 +19,11 @@ class TP(Strategy):
     def __init__(
         self, sequence_parallel: bool = False, activation_checkpointing: str = "none"
     ) -> None:
-        check_checkpointing(activation_checkpointing)
+        super().__init__(activation_checkpointing)
         self.sequence_parallel = sequence_parallel
-        self.activation_checkpointing = activation_checkpointing
 
-    def validate(self, job: Job) -> None:
-        model_class(job).check_parallel(
-            job.model, tp=job.launch.world_size, pp=1,
-            sequence_parallel=self.sequence_parallel, input_shape=data_input_shape(job),
+    def plan(self, world_size: int) -> ParallelPlan:
+        return ParallelPlan(
+            tp=world_size, sequence_parallel=self.sequence_parallel,
+            activation_checkpointing=self.activation_checkpointing,
         )
-
-    def wrap(
-        self, model: nn.Module, rt: Runtime, network: object, precision: object
-    ) -> nn.Module:
-        mesh = init_device_mesh(rt.device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-        model = split_blocks(model.to(rt.device), mesh, self.sequence_parallel)
-        apply_checkpointing(model, self.activation_checkpointing)
-        return model
-
-    def data_runtime(self, rt: Runtime) -> Runtime:
-        return with_rank(rt, 0, 1)
-
-    def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        return nullcontext()
-
-
-def split_blocks(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
-    """Apply the model's tensor-parallel plan to each of its blocks over the 1-D `mesh`.
-
-    With sequence parallelism the stream stays split along the sequence from the first block
-    to the last (of this pipeline stage, under pp), so only those two convert it."""
-    blocks = model.blocks()
-    for block in blocks:
-        parallelize_module(block, mesh, model.tp_plan(sequence_parallel))
-    if sequence_parallel:
-        enter, leave = model.tp_sequence_bounds()
-        parallelize_module(blocks[0], mesh, enter)
-        parallelize_module(blocks[-1], mesh, leave)
-    return model

@@ -1,0 +1,123 @@
+"""The parallel plan: how a strategy lays one model out over the ranks, as plain data.
+
+Every strategy states its layout as one `ParallelPlan` — the degrees of the four mesh dims,
+how the data-parallel ranks keep their parameters in step, whether the model runs as a
+pipeline, and what its blocks recompute — so one code path (`mgpu.parallel.layout`) builds
+every strategy's model, and strategy=pp and strategy=hybrid's pp dim are the same pipeline.
+
+Mesh dims run (pp, dp_replicate, dp_shard, tp), tp innermost so tensor-parallel peers sit on
+neighbouring ranks (as torchtitan orders them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mgpu.config import Job, build
+from mgpu.options import import_target
+from mgpu.pipeline import check_pipeline, stages_per_rank
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """Data parallel by whole replicas: DDP all-reduces gradients in buckets, through the one
+    comm hook a compression or a balance may install."""
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """Data parallel by FSDP2: each parameter sharded over the dp_shard ranks and replicated
+    over the dp_replicate ones (HSDP where both are > 1)."""
+
+    #: True frees gathered blocks after forward (ZeRO-3); False keeps them to backward (ZeRO-2).
+    reshard_after_forward: bool = True
+    #: Sharded parameters, gradients and optimizer state live in host memory.
+    cpu_offload: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The model cut into stages along the pp dim, driven by a pipelining schedule."""
+
+    #: gpipe | 1f1b | interleaved_1f1b (two model chunks per rank).
+    schedule: str = "1f1b"
+    #: Micro-batches per step.
+    microbatches: int = 4
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One model's layout over the ranks; the product of the degrees is the world size."""
+
+    #: Pipeline degree: ranks the model's stages are spread over. 1 means one stage per chunk.
+    pp: int = 1
+    #: Ranks that hold whole copies of each parameter (DDP's replicas, HSDP's replicate dim).
+    dp_replicate: int = 1
+    #: Ranks that shard each parameter between them (FSDP2).
+    dp_shard: int = 1
+    #: Tensor-parallel degree: ranks that split each block's weights. 1 means disabled.
+    tp: int = 1
+    #: How the data-parallel ranks keep parameters in step; None: nothing to synchronise.
+    data_parallel: DDPOptions | FSDPOptions | None = None
+    #: The schedule the stages run on; None: no pipeline.
+    pipeline: PipelineOptions | None = None
+    #: With tp > 1, also split norms and the residual stream along the sequence.
+    sequence_parallel: bool = False
+    #: none | full | selective: what each block recomputes in backward.
+    activation_checkpointing: str = "none"
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: model replicas reading different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shards(self) -> bool:
+        """FSDP2 holds the parameters (sharded, or replicated by HSDP), not whole modules."""
+        return isinstance(self.data_parallel, FSDPOptions)
+
+    def mesh_dims(self) -> dict[str, int]:
+        """{dim name: degree} of the mesh the plan needs, in `MESH_DIMS` order: every dim of
+        degree > 1, and a dim of one rank where a step still runs over it (the pipeline's pp,
+        whose schedule sends along it; FSDP's dp_shard, which casts and holds parameters by
+        its mesh even when nothing is sharded)."""
+        degrees = dict(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                           strict=True))
+        needed = {"pp": self.pipeline is not None, "dp_shard": self.shards}
+        return {name: n for name, n in degrees.items() if n > 1 or needed.get(name, False)}
+
+    def device_mesh(self, device: torch.device) -> DeviceMesh | None:
+        """The one DeviceMesh every step of the layout slices (None where no dim is needed:
+        one process, or DDP on the default group)."""
+        dims = self.mesh_dims()
+        if not dims:
+            return None
+        return init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+    def check(self, job: Job) -> None:
+        """ConfigError where the job's batch, data or model cannot take this plan (parent,
+        before launch); the world size is the strategy's own check, in its own keys."""
+        stages = 1
+        if self.pipeline is not None:
+            schedule, microbatches = self.pipeline.schedule, self.pipeline.microbatches
+            check_pipeline(job, schedule, microbatches, self.pp, self.dp)
+            stages = self.pp * stages_per_rank(schedule)
+        if self.tp > 1 or stages > 1:
+            import_target(job.model["_target_"]).check_parallel(
+                job.model, tp=self.tp, pp=stages, sequence_parallel=self.sequence_parallel,
+                input_shape=data_input_shape(job),
+            )
+
+
+def data_input_shape(job: Job) -> tuple[int, ...]:
+    """One sample's shape, from the data settings alone (nothing is loaded), for parent checks."""
+    return tuple(build(job.data).input_shape)
