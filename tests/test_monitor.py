@@ -48,7 +48,12 @@ def test_no_mfu_on_cpu(tmp_path):
 
 
 class HalfPrecisionWire:
-    """A compression of the test's own: DDP's fp16 hook, registered as a compression would."""
+    """A compression of the test's own: DDP's fp16 hook, registered as a compression would,
+    with the declarations every compression option states."""
+
+    needs_comm_hook = True
+    stateful = False
+    exact = False
 
     def register(self, model: torch.nn.Module) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
