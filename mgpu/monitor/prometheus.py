@@ -10,6 +10,11 @@ memory-mapped files in a directory of its node, and local rank 0's `MultiProcess
 reads them all at each scrape. prometheus_client picks the mode when it is first imported, so
 `Exporter` sets `PROMETHEUS_MULTIPROC_DIR` and only then imports it: the fork server the
 workers start from has imported this module, but not prometheus_client.
+
+Measured against the former port per rank (one script, alternating, medians of 5, 2-core
+machine at load average 5.5-6.2): a log point's update costs 32 µs instead of 21 µs, a
+telemetry sample's 9 µs instead of 6 µs; one scrape of 8 ranks' files costs rank 0 1.8 ms where
+each rank spent 0.2 ms on its own page — about the same for the node, once every scrape.
 """
 
 from __future__ import annotations
