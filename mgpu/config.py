@@ -87,7 +87,7 @@ class MonitorConf:
 
     enabled: bool = False  # step-phase breakdown, comm timing, telemetry, MFU (mgpu/monitor/)
     interval_s: float = 5.0  # telemetry sampling period
-    prometheus_port: int | None = None  # None = no exporter; rank r serves on port + local rank
+    prometheus_port: int | None = None  # None = no exporter; local rank 0 serves its node's ranks
     prometheus_host: str = "127.0.0.1"  # address the exporter binds to
     profile: bool = False  # torch.profiler over a step window → Chrome trace artifact
     profile_start_step: int = 10  # first profiled step (>= 2)
@@ -308,10 +308,10 @@ def check_monitor(job: Job) -> None:
     if monitor.interval_s <= 0:
         raise ConfigError(f"monitor.interval_s={monitor.interval_s}: must be > 0")
     port = monitor.prometheus_port
-    if port is not None and not 1024 <= port <= 65535 - job.launch.nproc_per_node:
+    if port is not None and not 1024 <= port <= 65535:
         raise ConfigError(
-            f"monitor.prometheus_port={port}: use a port in 1024..65535 (rank r serves on "
-            f"port + local rank), or null for no exporter"
+            f"monitor.prometheus_port={port}: use a port in 1024..65535 (local rank 0 serves "
+            f"every rank of its node there), or null for no exporter"
         )
     if monitor.profile:
         start, count = monitor.profile_start_step, monitor.profile_steps

@@ -3,6 +3,21 @@
 The parent process creates and ends each job's run; rank 0 alone logs step metrics into it.
 One `log_metric` call costs ~5 ms on a SQLite store, longer than a small training step, so
 metrics are queued and written in batches by a background thread.
+
+That thread is our own rather than MLflow's async logging (`log_batch(synchronous=False)`,
+mlflow 3.17) because it measured cheaper on the training thread. The stream of a 500-step run
+(20 metrics every 25 steps and a 20-metric summary) into a SQLite store, both loggers
+interleaved in one script, medians of 5 (2-core machine, load average 1.6-2.2):
+- cost of one `log` call on the training thread: 94-108 µs here against 296-436 µs for
+  MLflow's (its per-call telemetry, entity copies and one pool task per call); 3.2-4.1×;
+- the training loop around it: ×0.96-1.01 of the loop without logging here, ×1.06-1.12 with
+  MLflow's, which writes each call as its own transaction concurrently with training
+  (×1.02 with its `MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS=2`, whose flush at the end is
+  reachable only through a private store attribute);
+- the end, all points written: 36-37 ms here, 21-61 ms for MLflow's.
+Both lost no point. MLflow's also logs an ERROR line per failed batch where this logs one
+warning, and joins its threads at exit without a bound, where `close` here gives up after
+`timeout_s`.
 """
 
 from __future__ import annotations

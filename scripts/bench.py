@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu.monitor.prometheus import free_port_pair
+from mgpu.monitor.prometheus import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def bench_monitoring(rounds: int, workdir: Path) -> dict:
     samples = {"off": [], "on": []}
     for _ in range(rounds):
         samples["off"].append(run_mgpu(common, workdir)["train/samples_per_s"])
-        on = [*common, *monitored, f"monitor.prometheus_port={free_port_pair()}"]
+        on = [*common, *monitored, f"monitor.prometheus_port={free_port()}"]
         samples["on"].append(run_mgpu(on, workdir)["train/samples_per_s"])
     median = {name: statistics.median(values) for name, values in samples.items()}
     return {

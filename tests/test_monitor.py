@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from mgpu.model.mlp import MLP
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
-from mgpu.monitor.prometheus import free_port_pair
+from mgpu.monitor.prometheus import free_port
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
 from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
 
@@ -137,10 +137,20 @@ def samples_total(text: str | None, rank: int) -> float:
     return 0.0
 
 
+def test_workers_fork_from_a_server_that_has_not_imported_prometheus_client():
+    """prometheus_client chooses multiprocess mode when first imported: the modules the fork
+    server preloads must leave that import to the exporter, after it has set the directory."""
+    code = ("import sys, mgpu.launch, mgpu.worker, mgpu.task.train; "
+            "print('prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
 @pytest.mark.e2e
 def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces(tmp_path):
-    """One 2-rank DDP run with everything on; the exporter is scraped while it trains."""
-    port = free_port_pair()
+    """One 2-rank DDP run with everything on; the node's exporter is scraped while it trains."""
+    port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     args = ["train.steps=400", "train.warmup_steps=20", "train.log_every=50",
             "eval.every_steps=0", "monitor.enabled=true", "monitor.interval_s=0.5",
@@ -150,19 +160,23 @@ def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces
     proc = subprocess.Popen([sys.executable, "-m", "mgpu", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pages: dict[int, str] = {}
-    for _ in range(2400):  # bounded: at most ~2 minutes of polling, two requests each
+    second_port = "not scraped"
+    for _ in range(2400):  # bounded: at most ~2 minutes of polling, one request each
+        text = scrape(port)
         for rank in (0, 1):
-            text = scrape(port + rank)
             if samples_total(text, rank) > 0:
                 pages.setdefault(rank, text)
+        if len(pages) == 2:
+            second_port = scrape(port + 1)  # while the run still serves
         if len(pages) == 2 or proc.poll() is not None:
             break
         time.sleep(0.05)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
 
-    # Prometheus: both ranks served live series with their rank label, on loopback.
+    # Prometheus: one port served both ranks' live series with their rank label, on loopback.
     assert set(pages) == {0, 1}, "the exporter never answered with samples during the run"
+    assert second_port is None, "local rank 1 served a port of its own"
     for rank, text in pages.items():
         for name in ("mgpu_step_duration_seconds", "mgpu_phase_duration_seconds",
                      "mgpu_allreduce_duration_seconds", "mgpu_comm_bytes_total", "mgpu_loss"):

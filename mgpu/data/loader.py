@@ -1,4 +1,10 @@
-"""Data loaders: each rank draws its share of every global batch, in an order fixed by the seed."""
+"""Data loaders: each rank draws its share of every global batch, in an order fixed by the seed.
+
+A plain DataLoader rather than torchdata's StatefulDataLoader: its state is this rank's
+iterator (micro-batches yielded, to fast-forward, plus per-worker snapshots), which means
+nothing at another world size or split, and where a sampler has a state of its own it only
+carries that; the sampler's global position is the whole state here, saved directly.
+"""
 
 from __future__ import annotations
 

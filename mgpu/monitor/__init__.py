@@ -7,7 +7,8 @@ so rank 0 can log min/mean/max across ranks and name the slowest rank. With moni
 (the default) the timer is a shared no-op context and nothing else is built.
 
 One module per concern: timing (phases), comm (hook wrapper), telemetry (NVML / CPU thread),
-prometheus (exporter), profiler (torch.profiler window), mfu (FLOPs against the peak table).
+prometheus (one exporter per node), profiler (torch.profiler window), mfu (FLOPs against the
+peak table).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from mgpu.monitor.comm import CommMeter
 from mgpu.monitor.mfu import MFU
 from mgpu.monitor.profiler import StepProfiler
-from mgpu.monitor.prometheus import Exporter
+from mgpu.monitor.prometheus import Exporter, multiprocess_dir
 from mgpu.monitor.telemetry import Telemetry
 from mgpu.monitor.timing import PHASES, NullTimer, PhaseTimer
 from mgpu.runtime import Runtime, gather_rows
@@ -58,8 +60,9 @@ class Monitor:
         )
         self.exporter = None
         if cfg.prometheus_port is not None:
-            port = cfg.prometheus_port + rt.local_rank
-            self.exporter = Exporter(cfg.prometheus_host, port, rt.rank)
+            self.exporter = Exporter(
+                cfg.prometheus_host, cfg.prometheus_port, rt.rank,
+                multiprocess_dir(Path(job.output_dir)), serve=rt.local_rank == 0)
             if self.telemetry:
                 self.telemetry.listeners.append(self.exporter.update_device)
         self.profiler = None

@@ -1,16 +1,28 @@
-"""A Prometheus exporter on every rank: live step, throughput, phase, comm and device series.
+"""A Prometheus exporter per node: live step, throughput, phase, comm and device series.
 
-Rank r serves `http://<monitor.prometheus_host>:<monitor.prometheus_port + local rank>/metrics`
-(127.0.0.1 unless told otherwise: the figures are for this machine's operator). Every series
-carries a `rank` label, so one Prometheus job scraping all ports sees the whole group.
+Every rank records its series; local rank 0 serves those of all the node's ranks on one port,
+`http://<monitor.prometheus_host>:<monitor.prometheus_port>/metrics` (127.0.0.1 unless told
+otherwise: the figures are for this machine's operator). Every series carries a `rank` label,
+so one Prometheus job with one target per node sees the whole group.
+
+This is prometheus_client's multiprocess mode: each rank writes its values to small
+memory-mapped files in a directory of its node, and local rank 0's `MultiProcessCollector`
+reads them all at each scrape. prometheus_client picks the mode when it is first imported, so
+`Exporter` sets `PROMETHEUS_MULTIPROC_DIR` and only then imports it: the fork server the
+workers start from has imported this module, but not prometheus_client.
+
+Measured against the former port per rank (one script, alternating, medians of 5, 2-core
+machine at load average 5.5-6.2): a log point's update costs 32 µs instead of 21 µs, a
+telemetry sample's 9 µs instead of 6 µs; one scrape of 8 ranks' files costs rank 0 1.8 ms where
+each rank spent 0.2 ms on its own page — about the same for the node, once every scrape.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from pathlib import Path
 
 from mgpu.monitor.timing import PHASES
 
@@ -29,16 +41,42 @@ DEVICE_SERIES = {
 }
 
 
+def multiprocess_dir(output_dir: Path) -> Path:
+    """Where this node's ranks keep their values: one directory per node and per attempt of
+    the group, inside the run's output directory. A restarted group starts afresh, as its
+    processes' counters do, and no rank has to wait for another to create or clear it."""
+    node = os.environ.get("GROUP_RANK", "0")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return output_dir / "prometheus" / f"node{node}" / f"attempt{attempt}"
+
+
 class Exporter:
-    def __init__(self, host: str, port: int, rank: int) -> None:
-        self.registry = CollectorRegistry()
+    """This rank's series; on local rank 0 (`serve`) also the node's HTTP endpoint."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, directory: Path, serve: bool
+    ) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+        import prometheus_client as client
+        from prometheus_client import multiprocess, values
+
+        if not getattr(values.ValueClass, "_multiprocess", False):
+            raise RuntimeError(
+                "prometheus_client was imported in this worker before PROMETHEUS_MULTIPROC_DIR "
+                "was set, so local rank 0 could not serve this rank's series: import it "
+                "after the run has built its monitor")
+        # Values live in the node's files; this registry only keeps the names unique here.
+        self.registry = client.CollectorRegistry()
         self.rank = str(rank)
 
-        def gauge(name: str, doc: str, *labels: str) -> Gauge:
-            return Gauge(name, doc, ["rank", *labels], registry=self.registry)
+        def gauge(name: str, doc: str, *labels: str):
+            # One process writes each rank's series (per attempt): "mostrecent" is its value.
+            return client.Gauge(name, doc, ["rank", *labels], registry=self.registry,
+                                multiprocess_mode="mostrecent")
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["rank"], registry=self.registry)
+        def counter(name: str, doc: str):
+            return client.Counter(name, doc, ["rank"], registry=self.registry)
 
         self.step = gauge("mgpu_step", "last completed optimizer step")
         self.step_duration = gauge(
@@ -54,8 +92,13 @@ class Exporter:
         self.comm_bytes = counter(
             "mgpu_comm_bytes", "bytes this rank put on the wire to synchronise gradients")
         self.device = {key: gauge(name, doc) for key, (name, doc, _) in DEVICE_SERIES.items()}
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
-        log.info("Prometheus exporter on http://%s:%d/metrics", host, port)
+        self.server = None
+        if serve:
+            served = client.CollectorRegistry()
+            multiprocess.MultiProcessCollector(served, path=str(directory))
+            self.server, self.thread = client.start_http_server(port, addr=host, registry=served)
+            log.info("Prometheus exporter for this node's ranks on http://%s:%d/metrics",
+                     host, port)
 
     def update_window(
         self, step: int, steps: int, samples: int, step_s: float | None, loss: float | None,
@@ -83,24 +126,14 @@ class Exporter:
                 self.device[key].labels(self.rank).set(value * DEVICE_SERIES[key][2])
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()
 
 
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p + 1 both free on `host`: `monitor.prometheus_port=p` for two local
-    ranks, which serve on p and p + 1. For tests and benchmarks that scrape a 2-rank run; a
-    port free now may be taken before the run binds it, so it is a good guess, not a lease."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            if port > 65000:  # keep p + 1 a valid port, away from the very top
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((host, port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError(f"no two adjacent free ports on {host}")
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now: `monitor.prometheus_port` for tests and benchmarks that
+    scrape a run. It may be taken before the run binds it, so it is a good guess, not a lease."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
