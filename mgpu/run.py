@@ -135,9 +135,9 @@ class Run:
         Log points, evaluation and checkpoints run as stalls of the meter: they are timed on
         their own and left out of the step figures."""
         cfg = self.job.train
-        steps, log_every = cfg["steps"], cfg["log_every"]
+        steps, log_every = cfg.steps, cfg.log_every
         eval_every = self.job.eval.every_steps
-        meter = StepMeter(self.job.data["batch_size"], cfg["warmup_steps"], self.rt.device)
+        meter = StepMeter(self.job.data["batch_size"], cfg.warmup_steps, self.rt.device)
         fail_at = fault.fault_step(self.job.fault, self.rt.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
         metrics: dict[str, float] = {}
