@@ -188,7 +188,7 @@ def test_no_compression_runs_with_any_strategy(tmp_path):
 def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict]:
     """Per rank: train each option in turn on one process group, checking after every step that
     all ranks hold identical parameters; then check that the compression's state restores."""
-    rt = init_runtime(next(iter(jobs.values()))["output_dir"], 120)
+    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
     try:
         return {name: train_checking_replicas(job, rt, check_from) for name, job in jobs.items()}
     finally:
