@@ -22,11 +22,12 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
-from mgpu.compression import Compression
+from mgpu.compression import CommHook, Compression
 from mgpu.config import build
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
@@ -50,6 +51,17 @@ def replica_seed(seed: int, replica: int) -> int:
     return int(np.random.SeedSequence([seed % 2**64, replica]).generate_state(1)[0])
 
 
+def one_comm_hook(*hooks: CommHook | None) -> CommHook | None:
+    """The comm hook the options hand over, or None (DDP's built-in all-reduce).
+
+    DDP takes one hook; `mgpu.support` refuses a run in which two options each own one, so two
+    here are a bug, said so rather than one silently replacing the other."""
+    owned = [hook for hook in hooks if hook is not None]
+    if len(owned) > 1:
+        raise RuntimeError(f"{len(owned)} options each hand over DDP's one comm hook")
+    return owned[0] if owned else None
+
+
 @dataclass
 class Run:
     job: Job
@@ -71,8 +83,8 @@ class Run:
     @classmethod
     def build(cls, job: Job, rt: Runtime, run_id: str | None) -> Run:
         """Data → model → precision → the strategy's plan → its mesh → the model laid out by
-        it → compression → balance → optimizer → tracking → checkpointer, then the state of
-        the checkpoint to resume from, if any."""
+        it → compression and balance → DDP's comm hook → optimizer → tracking → checkpointer,
+        then the state of the checkpoint to resume from, if any."""
         torch.manual_seed(job.seed)  # same initial weights on every rank
         data = build(job.data)
         train_set, val_set = data.splits(job.seed)
@@ -99,9 +111,15 @@ class Run:
         balance = build(job.balance)
         local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
         monitor = Monitor(job, rt, run_id, data, precision, local_batch)
-        with monitor.comm_hooks(model):  # times whichever comm hook is installed here
-            compression.register(model)
-            balance.attach(model, data_rt, job)
+        balance.attach(model, data_rt, job)
+        # DDP takes one comm hook: at most one option owns it (a compression other than none,
+        # or balance=ssp; mgpu.support refuses both). It is registered here and nowhere else,
+        # timed where the monitor times communication (only a DDP model takes a hook).
+        hook = one_comm_hook(compression.comm_hook(model), balance.comm_hook(model))
+        if isinstance(model, DistributedDataParallel):
+            hook = monitor.timed(hook)
+        if hook is not None:
+            model.register_comm_hook(*hook)
         optimizer, scheduler = strategy.build_optimizer(
             build(job.optim), model, job.train.steps
         )

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, unpack
 from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unpack_signs
 from mgpu.config import Job, build
-from mgpu.run import Run
+from mgpu.run import Run, one_comm_hook
 from mgpu.runtime import Runtime, init_runtime, shutdown
 from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
 
@@ -85,7 +85,7 @@ def test_error_feedback_loses_nothing_across_steps_and_rebucketing(one_rank_grou
         bucket_cap_mb=0.002,
     )
     compression = RecordingOneBit()
-    compression.register(model)
+    model.register_comm_hook(*compression.comm_hook(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     layouts = set()
     for _ in range(8):
@@ -185,10 +185,20 @@ def test_no_compression_runs_with_any_strategy(tmp_path):
     assert job.launch.world_size == 1
 
 
+def test_the_run_registers_at_most_one_comm_hook():
+    """DDP takes one hook: none handed over leaves DDP's own all-reduce, two is a bug (the
+    support rules refuse such a run before launch), never one silently replacing the other."""
+    hook = (None, lambda state, bucket: None)
+    assert one_comm_hook(None, None) is None
+    assert one_comm_hook(None, hook) is hook
+    with pytest.raises(RuntimeError, match="one comm hook"):
+        one_comm_hook(hook, hook)
+
+
 def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict]:
     """Per rank: train each option in turn on one process group, checking after every step that
     all ranks hold identical parameters; then check that the compression's state restores."""
-    rt = init_runtime(next(iter(jobs.values()))["output_dir"], 120)
+    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
     try:
         return {name: train_checking_replicas(job, rt, check_from) for name, job in jobs.items()}
     finally:

@@ -104,7 +104,7 @@ def fp32_gradient_bytes(job: Job) -> int:
 
 def train_each(jobs: dict[str, dict]) -> dict[str, dict]:
     """Per rank: each job's whole training loop in turn, on one process group."""
-    rt = init_runtime(next(iter(jobs.values()))["output_dir"], 120)
+    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
     summaries = {}
     try:
         for name, job in jobs.items():

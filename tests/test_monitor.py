@@ -16,6 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from mgpu.model.mlp import MLP
+from mgpu.monitor.comm import CommMeter
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
 from mgpu.monitor.prometheus import free_port
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
@@ -48,17 +49,17 @@ def test_no_mfu_on_cpu(tmp_path):
 
 
 class HalfPrecisionWire:
-    """A compression of the test's own: DDP's fp16 hook, registered as a compression would,
+    """A compression of the test's own: DDP's fp16 hook, handed over as a compression would,
     with the declarations every compression option states."""
 
     needs_comm_hook = True
     stateful = False
     exact = False
 
-    def register(self, model: torch.nn.Module) -> None:
+    def comm_hook(self, model: torch.nn.Module) -> tuple:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
-        model.register_comm_hook(None, fp16_compress_hook)
+        return None, fp16_compress_hook
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         pass
@@ -74,6 +75,20 @@ class HalfPrecisionWire:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def test_comm_timing_wraps_the_hook_handed_over_or_stands_in_for_ddps_all_reduce():
+    """The hook keeps its state and is timed; with no hook, the timed stand-in for DDP's own
+    all-reduce is what gets registered (so a monitored plain run reports comm time too)."""
+    meter = CommMeter(torch.device("cpu"))
+
+    def own_hook(state, bucket):
+        raise AssertionError("not called here")
+
+    state, timed = meter.timed(("group", own_hook))
+    assert state == "group" and "own_hook" in timed.__qualname__
+    state, timed = meter.timed(None)
+    assert state is None and "allreduce_mean" in timed.__qualname__
 
 
 @pytest.mark.dist

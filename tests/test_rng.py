@@ -26,7 +26,7 @@ STRATEGIES = {
 
 def draws_after_build(jobs: dict[str, dict]) -> dict[str, torch.Tensor]:
     """Per rank: build each job's run in turn and draw from the global RNG right after."""
-    rt = init_runtime(next(iter(jobs.values()))["output_dir"], 120)
+    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
     draws = {}
     try:
         for name, job in jobs.items():

@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 from mgpu.runtime import Runtime
 
 if TYPE_CHECKING:
+    from mgpu.compression import CommHook
     from mgpu.config import Job
 
 
@@ -38,7 +39,11 @@ class Balance(Protocol):
         """Samples this rank takes from each global batch at the start."""
 
     def attach(self, model: nn.Module, rt: Runtime, job: Job) -> None:
-        """Install timing hooks (and comm hooks) on the wrapped model."""
+        """Set up for the wrapped model: the step clock's hooks, where it runs."""
+
+    def comm_hook(self, model: nn.Module) -> CommHook | None:
+        """After `attach`: the DDP comm hook this option works through, or None (most options);
+        `Run.build` registers it."""
 
     def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches, endless."""

@@ -13,8 +13,9 @@ busy = ready - start is what the rank would take alone; wait = end - ready is ti
 slower peers (`time/sync_wait_s`). A simulated straggler sleeps at the start of the backward
 pass (a hook on the model's output), before any gradient is sent, so its delay is part of its
 own busy time and not of its peers' (a sleep before the forward would be, where the forward
-synchronises buffers). On CUDA the stamps are CUDA events, resolved at the start of the next
-step, which lets the host run ahead of the device by at most one step.
+synchronises buffers). The stamps are those of the monitor's phase timer
+(`mgpu.monitor.timing.clock_for`): perf_counter on CPU, CUDA events on GPU, resolved here at the
+start of the next step, which lets the host run ahead of the device by at most one step.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import time
 import torch
 from torch import nn
 
+from mgpu.monitor.timing import clock_for
 from mgpu.straggler import Straggler
 
 
 class StepClock:
     def __init__(self, straggler: Straggler, device: torch.device) -> None:
         self.straggler = straggler
-        self.cuda = device.type == "cuda"
+        self.clock = clock_for(device)  # the stamps the monitor's phase timer takes too
+        self.cuda = device.type == "cuda"  # events are read a step late, not at once
         self.compute_s = 0.0  # last step's compute (busy minus straggler delay): the delay's basis
         self.pending: tuple | None = None  # (start, ready, end, slept, samples) of the last step
         self.start = self.ready = None
@@ -50,10 +53,10 @@ class StepClock:
     def start_step(self, samples: int) -> None:
         """A step over `samples` samples (this rank's share) begins."""
         self._resolve()
-        self.start, self.slept, self.delayed, self.samples = self._stamp(), 0.0, False, samples
+        self.start, self.slept, self.delayed, self.samples = self.clock.mark(), 0.0, False, samples
 
     def end_backward(self) -> None:
-        self.pending = (self.start, self.ready, self._stamp(), self.slept, self.samples)
+        self.pending = (self.start, self.ready, self.clock.mark(), self.slept, self.samples)
         if not self.cuda:
             self._resolve()
 
@@ -77,20 +80,7 @@ class StepClock:
                 self.slept += time.perf_counter() - started
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self.ready = self._stamp()
-
-    def _stamp(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _seconds(self, first, last) -> float:
-        if self.cuda:
-            last.synchronize()
-            return first.elapsed_time(last) / 1000
-        return last - first
+        self.ready = self.clock.mark()
 
     def _resolve(self) -> None:
         """Turn the last step's stamps into its busy and wait times."""
@@ -98,10 +88,10 @@ class StepClock:
             return
         start, ready, end, slept, samples = self.pending
         self.pending = None
-        busy = self._seconds(start, ready)
+        busy = self.clock.seconds(start, ready)
         self.compute_s = max(0.0, busy - slept)
         self.sums["steps"] += 1
         self.sums["samples"] += samples
         self.sums["busy_s"] += busy
         self.busy_per_sample.append(busy / max(samples, 1))
-        self.sums["wait_s"] += self._seconds(ready, end)
+        self.sums["wait_s"] += self.clock.seconds(ready, end)

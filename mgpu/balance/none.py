@@ -20,6 +20,7 @@ from mgpu.runtime import Runtime, gather_rows
 from mgpu.straggler import Straggler
 
 if TYPE_CHECKING:
+    from mgpu.compression import CommHook
     from mgpu.config import Job
 
 
@@ -48,6 +49,10 @@ class EqualSplit:
             self.clock = StepClock(straggler, rt.device)
             self.clock.attach(model)
             self.logged = self.clock.totals()
+
+    def comm_hook(self, model: nn.Module) -> CommHook | None:
+        """None: the split changes what each rank computes, not how gradients travel."""
+        return None
 
     def batches(self, dataset: Dataset) -> TrainBatches:
         self.loader = TrainBatches(dataset, self.sizes, self.grad_accum, self.rt, self.seed)

@@ -33,10 +33,10 @@ from torch.futures import Future, collect_all
 
 from mgpu.balance.none import EqualSplit
 from mgpu.errors import ConfigError
-from mgpu.runtime import Runtime, gather_rows
+from mgpu.runtime import gather_rows
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.compression import CommHook
 
 
 def completed(tensor: torch.Tensor) -> Future:
@@ -135,11 +135,12 @@ class StaleSynchronous(EqualSplit):
         self.staleness = staleness
         self.ahead = 0
 
-    def attach(self, model: nn.Module, rt: Runtime, job: "Job") -> None:
-        super().attach(model, rt, job)
+    def comm_hook(self, model: nn.Module) -> "CommHook":
+        """The stale-gradient hook and its in-flight steps, keyed by `model`'s parameter names.
+        No state for DDP to hand it: the hook's object holds everything."""
         names = {id(p): name for name, p in getattr(model, "module", model).named_parameters()}
-        self.stale = StaleGradients(self.staleness, rt.world_size, names, rt.device)
-        model.register_comm_hook(None, self.stale.hook)
+        self.stale = StaleGradients(self.staleness, self.rt.world_size, names, self.rt.device)
+        return None, self.stale.hook
 
     def has_gradients(self) -> bool:
         """False in the first `staleness` steps: no averaged gradients are due yet."""

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+#: What DDP's `register_comm_hook(state, hook)` takes: the hook's state and the hook. An option
+#: that owns the comm hook hands this over and `Run.build` registers it, so one place installs
+#: DDP's one hook and the monitor can time it there.
+CommHook = tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future]]
 
 
 class Compression(Protocol):
@@ -18,8 +25,9 @@ class Compression(Protocol):
     #: Ranks apply exactly the averaged gradients (no rounding or approximation on the wire).
     exact: bool
 
-    def register(self, model: nn.Module) -> None:
-        """Install the compression on the wrapped model (a DDP comm hook, say)."""
+    def comm_hook(self, model: nn.Module) -> CommHook | None:
+        """Set up for the wrapped model; return the DDP comm hook that sends its gradients,
+        or None where DDP's built-in all-reduce does (`Run.build` registers it)."""
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         """Before the step's backward: the factor its gradients carry (the loss scale, a

@@ -1,7 +1,7 @@
 """What the compressions that run as a DDP comm hook share.
 
-Registration on the wrapped model (which strategies take one is a rule in `mgpu.support`),
-and the bytes on the wire: every tensor a hook hands to a collective goes through
+The hook handed to `Run.build` for the wrapped model (which strategies take one is a rule in
+`mgpu.support`), and the bytes on the wire: every tensor a hook hands to a collective goes through
 `all_reduce`/`all_gather` below, which count what that collective sends from this rank
 (PowerSGD's collectives run inside torch: there torch's own tally of each tensor it
 all-reduces is counted the same way).
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.futures import Future
+
+from mgpu.compression import CommHook
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.6 has only the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,11 +63,12 @@ class CommHookCompression:
         self.plain_bytes = 0.0  # what plain all-reduce of the buckets DDP gave the hook sends
         self.synced_steps = 0  # backward passes whose gradients reached the hook
 
-    def register(self, model: nn.Module) -> None:
+    def comm_hook(self, model: nn.Module) -> CommHook:
+        """(state, hook) for `model`'s DDP: the subclass's hook, counting the plain bytes."""
         if not hasattr(model, "register_comm_hook"):
             raise TypeError(f"{type(self).__name__} needs a DDP model, got {type(model).__name__}")
         self.world_size = dist.get_world_size(model.process_group)
-        model.register_comm_hook(self.hook_state(model), self._measured)
+        return self.hook_state(model), self._measured
 
     def hook_state(self, model: nn.Module) -> object:
         """What DDP hands the hook as its state: by default the model's process group."""

@@ -21,8 +21,10 @@ class NoCompression:
     def __init__(self) -> None:
         self.model: nn.Module | None = None
 
-    def register(self, model: nn.Module) -> None:
+    def comm_hook(self, model: nn.Module) -> None:
+        """No hook: DDP keeps its built-in all-reduce, whose buckets `metrics` reads."""
         self.model = model if hasattr(model, "_get_ddp_logging_data") else None
+        return None
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         pass

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mgpu.compression import CommHook
 from mgpu.compression.commhook import CommHookCompression
 from mgpu.errors import ConfigError
 
@@ -83,10 +84,10 @@ class OneBit(CommHookCompression):
         self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residual, its next value)
 
-    def register(self, model: nn.Module) -> None:
+    def comm_hook(self, model: nn.Module) -> CommHook:
         module = getattr(model, "module", model)
         self.names = {id(p): name for name, p in module.named_parameters()}
-        super().register(model)
+        return super().comm_hook(model)
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         self.grad_scale = grad_scale

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from mgpu.checkpoint import numpy_rng_loaded, numpy_rng_saved
+from mgpu.compression import CommHook
 from mgpu.compression.commhook import CommHookCompression
 from mgpu.errors import ConfigError
 
@@ -83,11 +84,11 @@ class PowerSGD(CommHookCompression):
         # bucket index -> (error memory, copy of Q memory) before this step, None where absent
         self.before: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
-    def register(self, model: nn.Module) -> None:
+    def comm_hook(self, model: nn.Module) -> CommHook:
         module = getattr(model, "module", model)
         self.names = {id(p): name for name, p in module.named_parameters()}
         self.shapes = {name: p.shape for name, p in module.named_parameters()}
-        super().register(model)
+        return super().comm_hook(model)
 
     def hook_state(self, model: nn.Module) -> PowerSGDState:
         self.state = PowerSGDState(process_group=model.process_group, **self.settings)
@@ -227,7 +228,7 @@ class PowerSGD(CommHookCompression):
 
     def _registered(self) -> PowerSGDState:
         if self.state is None:
-            raise RuntimeError("PowerSGD state exists once register(model) has run")
+            raise RuntimeError("PowerSGD state exists once comm_hook(model) has run")
         return self.state
 
 

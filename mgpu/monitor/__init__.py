@@ -1,10 +1,11 @@
 """Observability for one rank: the `monitor` section of the config, assembled in one object.
 
-`Run` holds a `Monitor` and calls it at four points: around `compression.register` (to time
-the comm hook), around each phase of a step (`monitor.timer.phase(name)`), after each step, and
-at log points, where every rank joins one small all-reduce that gathers the window's figures
-so rank 0 can log min/mean/max across ranks and name the slowest rank. With monitoring off
-(the default) the timer is a shared no-op context and nothing else is built.
+`Run` holds a `Monitor` and calls it at four points: on the DDP comm hook before `Run.build`
+registers it (`monitor.timed(hook)`, to time it), around each phase of a step
+(`monitor.timer.phase(name)`), after each step, and at log points, where every rank joins one
+small all-reduce that gathers the window's figures so rank 0 can log min/mean/max across ranks
+and name the slowest rank. With monitoring off (the default) the timer is a shared no-op
+context and nothing else is built.
 
 One module per concern: timing (phases), comm (hook wrapper), telemetry (NVML / CPU thread),
 prometheus (one exporter per node), profiler (torch.profiler window), mfu (FLOPs against the
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from mlflow.tracking import MlflowClient
 
 from mgpu.monitor.comm import CommMeter
@@ -32,6 +32,7 @@ from mgpu.monitor.timing import PHASES, NullTimer, PhaseTimer
 from mgpu.runtime import Runtime, gather_rows
 
 if TYPE_CHECKING:
+    from mgpu.compression import CommHook
     from mgpu.config import Job
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,10 @@ class Monitor:
             self.telemetry.start()
         self.window_steps = 0
 
-    def comm_hooks(self, model: torch.nn.Module) -> AbstractContextManager:
-        """Context around `compression.register(model)`: times whichever comm hook it installs."""
-        return self.comm.intercept(model) if self.comm else nullcontext()
+    def timed(self, hook: CommHook | None) -> CommHook | None:
+        """The DDP comm hook to register: `hook` (None: DDP's built-in all-reduce) as it is
+        when communication is not timed, else wrapped to time its collectives."""
+        return self.comm.timed(hook) if self.comm else hook
 
     def end_step(self, step: int) -> None:
         if self.enabled:

@@ -7,23 +7,25 @@ communication) and its completion (a callback on the future). The bytes those co
 on the wire depend on what the hook sends and by which collective: the compression counts
 them (`mgpu/compression/commhook.py`), and the monitor divides them by the time measured here.
 
-Any hook can be wrapped: while `CommMeter.intercept(model)` is open, a compression that calls
-`model.register_comm_hook(state, hook)` registers the timed wrapper of its own hook instead;
-if nothing registered a hook, an all-reduce of the bucket's mean (what DDP does by default) is
-registered, timed in one future callback per bucket.
+Any hook can be wrapped: `Run.build` hands the monitor the one hook an option owns (a
+compression, or balance=ssp) and registers what `CommMeter.timed` returns. Where no option owns
+one, DDP would all-reduce in C++ out of Python's sight, so while monitoring an all-reduce of the
+bucket's mean (what DDP does by default) is registered instead, timed in one future callback
+per bucket; without monitoring DDP keeps its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.monitor.timing import clock_for
+
+if TYPE_CHECKING:
+    from mgpu.compression import CommHook
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -66,27 +68,10 @@ class CommMeter:
         self.first, self.collectives = None, []
         return first, collectives
 
-    @contextmanager
-    def intercept(self, model: Any) -> Iterator[None]:
-        """Time whatever hook is registered on `model` inside; default to a timed all-reduce."""
-        if not isinstance(model, DistributedDataParallel) or model._comm_hooks:
-            # Not DDP, or a hook was registered earlier, outside this block: DDP takes one hook
-            # only, so it stays untimed (its collectives report no comm figures).
-            yield
-            return
-        registered = []
-
-        def register_timed(state: Any, hook: Hook) -> None:
-            registered.append(hook)
-            DistributedDataParallel.register_comm_hook(model, state, self.wrap(hook))
-
-        model.register_comm_hook = register_timed
-        try:
-            yield
-        finally:
-            del model.register_comm_hook
-        if not registered:
-            model.register_comm_hook(None, self.wrap(allreduce_mean))
+    def timed(self, hook: CommHook | None) -> CommHook:
+        """(state, hook) timed; for no hook, a timed stand-in for DDP's built-in all-reduce."""
+        state, function = hook if hook is not None else (None, allreduce_mean)
+        return state, self.wrap(function)
 
 
 def allreduce_mean(process_group, bucket):

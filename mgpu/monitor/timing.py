@@ -3,6 +3,7 @@
 On CPU a mark is `time.perf_counter()`. On CUDA it is a timing event recorded on the current
 stream, so a phase's duration is the device's own time between its marks; the events are read
 at log points, after the loss has been fetched (which has already waited for the device).
+The same marks (`clock_for`) time the comm hook, pipeline stages and the balance step clock.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 
 class WallClock:
+    """Marks on the host: what the host spends is what the device spends (CPU)."""
+
     def mark(self) -> float:
         return time.perf_counter()
 
@@ -27,17 +30,21 @@ class WallClock:
 
 
 class CudaClock:
+    """Marks on the current CUDA stream: the device's own time, read without syncing it when
+    recorded (the host runs ahead)."""
+
     def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        end.synchronize()  # already complete at a log point: the loss fetch waited for it
+        end.synchronize()  # waits only where the device is behind (at log points it is not)
         return start.elapsed_time(end) / 1000
 
 
 def clock_for(device: torch.device) -> WallClock | CudaClock:
+    """The marks for `device`: every timer in mgpu stamps with these, so figures agree."""
     return CudaClock() if device.type == "cuda" else WallClock()
 
 
