@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
