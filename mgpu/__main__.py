@@ -28,14 +28,14 @@ from mgpu.network.topology import TOPOLOGY_FILE
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def app(cfg: DictConfig) -> float:
     try:
-        return run_job(cfg)
+        return launch_one_job(cfg)
     except (ConfigError, RunFailed) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and goes on with the sweep
         exit_with(e)
 
 
-def run_job(cfg: DictConfig) -> float:
+def launch_one_job(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     tagged = (*GROUPS, "experiment")
     choices = {g: str(o) for g, o in hydra_cfg.runtime.choices.items() if g in tagged and o}

@@ -61,8 +61,8 @@ from mgpu.errors import ConfigError
 
 if TYPE_CHECKING:
     from mgpu.config import Job
-    from mgpu.run import Run
     from mgpu.runtime import Runtime
+    from mgpu.trainer import Trainer
 
 log = logging.getLogger("mgpu.checkpoint")
 
@@ -289,36 +289,36 @@ def unpack(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
 
 
-def train_state(run: Run, step: int, with_rank_state: bool = True) -> dict[str, Any]:
+def train_state(trainer: Trainer, step: int, with_rank_state: bool = True) -> dict[str, Any]:
     """The run's state as one (nested) state dict for DCP; also the template to load into."""
     state = {
-        "model": get_model_state_dict(run.model),
-        "optim": run.strategy.optimizer_state_dict(run.model, run.optimizer),
-        "scheduler": run.scheduler.state_dict(),
-        "precision": run.precision.state_dict(),
-        "balance": pack(run.balance.state_dict()),
-        "progress": {"step": step, "data": run.batches.state_dict()},
+        "model": get_model_state_dict(trainer.model),
+        "optim": trainer.strategy.optimizer_state_dict(trainer.model, trainer.optimizer),
+        "scheduler": trainer.scheduler.state_dict(),
+        "precision": trainer.precision.state_dict(),
+        "balance": pack(trainer.balance.state_dict()),
+        "progress": {"step": step, "data": trainer.batches.state_dict()},
     }
     if with_rank_state:
-        state[f"rank{run.rt.rank}"] = pack(
-            {"rng": rng_state(), "compression": run.compression.state_dict()}
+        state[f"rank{trainer.rt.rank}"] = pack(
+            {"rng": rng_state(), "compression": trainer.compression.state_dict()}
         )
     return state
 
 
-def apply_train_state(run: Run, state: dict[str, Any]) -> int:
+def apply_train_state(trainer: Trainer, state: dict[str, Any]) -> int:
     """Put a loaded state dict back into the run; returns the step it was saved at."""
-    set_model_state_dict(run.model, state["model"])
-    run.strategy.load_optimizer_state_dict(run.model, run.optimizer, state["optim"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.precision.load_state_dict(state["precision"])
-    run.balance.load_state_dict(unpack(state["balance"]))
-    run.batches.load_state_dict(state["progress"]["data"])
-    own = state.get(f"rank{run.rt.rank}")
+    set_model_state_dict(trainer.model, state["model"])
+    trainer.strategy.load_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.precision.load_state_dict(state["precision"])
+    trainer.balance.load_state_dict(unpack(state["balance"]))
+    trainer.batches.load_state_dict(state["progress"]["data"])
+    own = state.get(f"rank{trainer.rt.rank}")
     if own is not None:
         own = unpack(own)
         set_rng_state(own["rng"])
-        run.compression.load_state_dict(own["compression"])
+        trainer.compression.load_state_dict(own["compression"])
     return state["progress"]["step"]
 
 
@@ -328,9 +328,9 @@ def apply_train_state(run: Run, state: dict[str, Any]) -> int:
 class Checkpointer:
     """Saves on schedule (sync or async), commits on rank 0, restores at start-up."""
 
-    def __init__(self, job: Job, rt: Runtime, run_id: str | None) -> None:
+    def __init__(self, job: Job, runtime: Runtime, run_id: str | None) -> None:
         cfg = job.checkpoint
-        self.job, self.rt, self.run_id = job, rt, run_id
+        self.job, self.runtime, self.run_id = job, runtime, run_id
         self.root = Path(cfg.dir)
         self.every, self.keep_last, self.async_save = (
             cfg.every_steps, cfg.keep_last, cfg.async_save)
@@ -351,7 +351,7 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, run: Run, step: int) -> dict[str, float]:
+    def save(self, trainer: Trainer, step: int) -> dict[str, float]:
         """Write the run's state at `step`; committed once every rank's shards are written.
 
         Returns the time training was held up (sync: the whole save; async: staging).
@@ -359,7 +359,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         partial = self.root / f"{step_dir(self.root, step).name}.partial.{self.token}"
-        state = train_state(run, step)
+        state = train_state(trainer, step)
         if self.async_save:
             written = dcp.async_save(state, checkpoint_id=partial, process_group=self.group,
                                      planner=first_rank_keeps_replicas())
@@ -367,7 +367,7 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=partial, process_group=self.group,
                      planner=first_rank_keeps_replicas())
-            if self.rt.is_main:
+            if self.runtime.is_main:
                 self.commit(partial, step)
         self.blocked_s.append(time.perf_counter() - started)
         return {"checkpoint/save_s": self.blocked_s[-1]}
@@ -379,7 +379,7 @@ class Checkpointer:
     def _finish(self, written: Future, partial: Path, step: int) -> None:
         """Background: wait for the async write (all ranks' shards), then commit on rank 0."""
         written.result()
-        if self.rt.is_main:
+        if self.runtime.is_main:
             self.commit(partial, step)
 
     def wait(self) -> None:
@@ -392,7 +392,7 @@ class Checkpointer:
         """Rank 0: record every file's size and hash, then rename the folder into place."""
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
                  for p in sorted(partial.iterdir()) if p.is_file()}
-        record = {"step": step, "world_size": self.rt.world_size, "run_id": self.run_id,
+        record = {"step": step, "world_size": self.runtime.world_size, "run_id": self.run_id,
                   "files": files}
         write_file_durably(partial / MANIFEST, json.dumps(record, indent=1))
         final = step_dir(self.root, step)
@@ -411,17 +411,17 @@ class Checkpointer:
             if int(path.name[5:13]) < newest:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def restore(self, run: Run) -> int:
+    def restore(self, trainer: Trainer) -> int:
         """Load the checkpoint to resume from (rank 0 picks it); returns its step, or 0."""
-        found = resume_source(self.job) if self.rt.is_main else None
+        found = resume_source(self.job) if self.runtime.is_main else None
         [source] = self._shared([str(found) if found else None])
         if source is None:
             return 0
         saved_world = manifest(Path(source))["world_size"]
-        state = train_state(run, 0, with_rank_state=self.rt.rank < saved_world)
+        state = train_state(trainer, 0, with_rank_state=self.runtime.rank < saved_world)
         dcp.load(state, storage_reader=SafeReader(source), planner=WeightsOnlyLoadPlanner(),
                  process_group=self.group)
-        step = apply_train_state(run, state)
+        step = apply_train_state(trainer, state)
         log.info("resumed from %s (step %d, saved at world size %d)", source, step, saved_world)
         return step
 

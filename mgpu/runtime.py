@@ -31,14 +31,14 @@ class Runtime:
         return self.rank == 0
 
 
-def gather_rows(values: list[float], rt: Runtime) -> torch.Tensor:
+def gather_rows(values: list[float], runtime: Runtime) -> torch.Tensor:
     """Every rank's `values` as one (world size x len(values)) float64 tensor, on every rank.
 
     An all-reduce of a zero matrix holding this rank's row: x + 0 is exact, so all ranks see
     bitwise the same numbers and make the same decisions from them.
     """
-    rows = torch.zeros(rt.world_size, len(values), dtype=torch.float64, device=rt.device)
-    rows[rt.rank] = torch.tensor(values, dtype=torch.float64)
+    rows = torch.zeros(runtime.world_size, len(values), dtype=torch.float64, device=runtime.device)
+    rows[runtime.rank] = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(rows)
     return rows.cpu()

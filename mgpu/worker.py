@@ -25,31 +25,31 @@ def main(job: Job, run_id: str | None, env: dict[str, str] | None = None) -> dic
     process, so a sweep's later jobs would otherwise see the first job's settings.
     """
     os.environ.update(env or {})
-    rt = init_runtime(job.output_dir, job.launch.timeout_s)
+    runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
-        return run_task(job, rt, run_id)
+        return start_task(job, runtime, run_id)
     finally:
         shutdown()
 
 
-def run_task(job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
+def start_task(job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
     """The job's task on this rank: train (the default) or another, e.g. task=commbench."""
-    return build(job.task).run(job, rt, run_id)
+    return build(job.task).run(job, runtime, run_id)
 
 
 def main_under_torchrun(job: Job, choices: dict[str, str], overrides: list[str]) -> dict:
     """torchrun started this process: rank 0 owns the MLflow run, which no parent holds here."""
     env = build(job.network).env()
     os.environ.update(env)  # before the process group reads it
-    rt = init_runtime(job.output_dir, job.launch.timeout_s)
+    runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
         if dist.is_initialized():
             # Each rank composed its own config; rank 0's (output dir, timestamps) is the run's.
             shared = [job]
             dist.broadcast_object_list(shared, src=0)
             job = shared[0]
-        if not (rt.is_main and job.tracking.enabled):
-            return run_task(job, rt, None)
+        if not (runtime.is_main and job.tracking.enabled):
+            return start_task(job, runtime, None)
         uri = job.tracking.uri
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
         run_id = resumed or tracking.start_job_run(job, choices, overrides)
@@ -59,7 +59,7 @@ def main_under_torchrun(job: Job, choices: dict[str, str], overrides: list[str])
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             with system_metrics(job, run_id):
-                summary = run_task(job, rt, run_id)
+                summary = start_task(job, runtime, run_id)
         except BaseException as e:
             tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
             raise

@@ -247,8 +247,8 @@ def gloo_worker(out: Path) -> None:
     from hydra import compose, initialize_config_dir
 
     from mgpu.config import prepare
-    from mgpu.run import Run
     from mgpu.runtime import Runtime, limit_cpu_threads, setup_logging, shutdown
+    from mgpu.trainer import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -260,9 +260,9 @@ def gloo_worker(out: Path) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        run = Run.build(job, Runtime(rank, rank, world, world, device, out), None)
-        summary = run.train()
-        run.close()
+        trainer = Trainer.build(job, Runtime(rank, rank, world, world, device, out), None)
+        summary = trainer.train()
+        trainer.close()
         if rank == 0:
             (out / "summary.json").write_text(json.dumps(summary))
     finally:

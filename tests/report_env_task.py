@@ -17,13 +17,14 @@ from mgpu.runtime import Runtime
 class ReportEnv:
     objective = "bucket_bytes_cap"
 
-    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict:
+    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict:
         network = build(job.network)
         precision = build(job.precision)
         strategy = build(job.strategy)
-        plan = strategy.plan(rt.world_size)
+        plan = strategy.plan(runtime.world_size)
         layout = parallelize(
-            nn.Linear(4, 2), plan, plan.device_mesh(rt.device), rt.device, precision, network
+            nn.Linear(4, 2), plan, plan.device_mesh(runtime.device), runtime.device, precision,
+            network
         )
         model = layout.model
         return {

@@ -18,8 +18,8 @@ from mgpu.data.digits import Digits
 from mgpu.data.loader import TrainBatches
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.mlp import MLP
-from mgpu.run import Run
 from mgpu.runtime import Runtime, init_runtime, shutdown
+from mgpu.trainer import Trainer
 from tests.conftest import QUICK, assert_refused, launch_job, make_job
 
 SGD = [*QUICK, "optim=sgd", "optim.lr=0.05"]
@@ -70,11 +70,11 @@ def test_a_share_comes_as_grad_accum_micro_batches_of_the_global_batch(tmp_path)
 
 def uneven_update(output_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     """On each of 2 ranks: DDP gradients of shares (48, 16), weighted and unweighted."""
-    rt = init_runtime(output_dir, 60)
+    runtime = init_runtime(output_dir, 60)
     torch.manual_seed(0)
     model = DistributedDataParallel(MLP(input_shape=(1, 8, 8), num_classes=10))
     data, _ = Digits().splits(0)
-    inputs, labels = next(TrainBatches(data, [48, 16], 1, rt, seed=0))
+    inputs, labels = next(TrainBatches(data, [48, 16], 1, runtime, seed=0))
     grads = {}
     for name, divisor in (("weighted", 64 / (len(labels) * 2)), ("plain", 1.0)):
         model.zero_grad()
@@ -156,22 +156,22 @@ def test_ssp_first_steps_leave_weights_and_optimizer_state_alone(one_rank_group,
     move the weights (weight decay) nor start its moments and step count; step 3 applies step
     1's gradients."""
     job = make_job(["balance=ssp", "balance.staleness=2", "launch.nproc_per_node=1"], tmp_path)
-    run = Run.build(job, cpu_runtime(0, 1, tmp_path), None)
-    initial = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+    trainer = Trainer.build(job, cpu_runtime(0, 1, tmp_path), None)
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     for _ in range(2):
-        run.train_step()
-    for name, param in run.model.named_parameters():
+        trainer.train_step()
+    for name, param in trainer.model.named_parameters():
         assert torch.equal(param, initial[name]), name
-    assert not run.optimizer.state
-    run.train_step()
-    assert run.optimizer.state
-    assert all(not torch.equal(p, initial[name]) for name, p in run.model.named_parameters())
-    run.close()
+    assert not trainer.optimizer.state
+    trainer.train_step()
+    assert trainer.optimizer.state
+    assert all(not torch.equal(p, initial[name]) for name, p in trainer.model.named_parameters())
+    trainer.close()
 
 
 def test_thermal_without_nvml_logs_once_and_uses_throughput(tmp_path, caplog):
     thermal = Thermal()
-    thermal.rt = cpu_runtime(0, 1, tmp_path)
+    thermal.runtime = cpu_runtime(0, 1, tmp_path)
     measured = torch.tensor([1234.0], dtype=torch.float64)
     with caplog.at_level(logging.INFO, logger="mgpu.balance.thermal"):
         assert torch.equal(thermal.speeds(measured), measured)

@@ -46,9 +46,9 @@ def step_samples(world_size: int, steps: int, state: dict | None = None, accum: 
     dataset = TensorDataset(ids.float().unsqueeze(1), ids)
     ranks = []
     for rank in range(world_size):
-        rt = Runtime(rank, rank, world_size, world_size, torch.device("cpu"), Path("."))
+        runtime = Runtime(rank, rank, world_size, world_size, torch.device("cpu"), Path("."))
         sizes = [global_batch // world_size] * world_size
-        batches = TrainBatches(dataset, sizes, accum, rt, seed=7)
+        batches = TrainBatches(dataset, sizes, accum, runtime, seed=7)
         if state:
             batches.load_state_dict(state)
         ranks.append(batches)

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, unpack
 from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unpack_signs
 from mgpu.config import Job, build
-from mgpu.run import Run, one_comm_hook
 from mgpu.runtime import Runtime, init_runtime, shutdown
+from mgpu.trainer import Trainer, one_comm_hook
 from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
 
 OPTIONS = ("none", "fp16", "bf16", "powersgd", "onebit")
@@ -107,11 +107,11 @@ def error_memory_after(option: str, steps: int, overrides: list[str], tmp_path) 
     settings, kinds = MEMORIES[option]
     job = make_job(["strategy=ddp", "launch.nproc_per_node=1", f"compression={option}",
                     *settings, *overrides], tmp_path)
-    run = Run.build(job, Runtime(0, 0, 1, 1, torch.device("cpu"), tmp_path), None)
+    trainer = Trainer.build(job, Runtime(0, 0, 1, 1, torch.device("cpu"), tmp_path), None)
     for _ in range(steps):
-        run.train_step()
-    memories = run.compression.state_dict()[kinds[0]]
-    run.close()
+        trainer.train_step()
+    memories = trainer.compression.state_dict()[kinds[0]]
+    trainer.close()
     return torch.cat([m.reshape(-1) for m in memories.values()])
 
 
@@ -198,25 +198,27 @@ def test_the_run_registers_at_most_one_comm_hook():
 def train_every_option(jobs: dict[str, dict], check_from: int) -> dict[str, dict]:
     """Per rank: train each option in turn on one process group, checking after every step that
     all ranks hold identical parameters; then check that the compression's state restores."""
-    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
+    runtime = init_runtime(next(iter(jobs.values())).output_dir, 120)
     try:
-        return {name: train_checking_replicas(job, rt, check_from) for name, job in jobs.items()}
+        return {name: train_checking_replicas(job, runtime, check_from)
+                for name, job in jobs.items()}
     finally:
         shutdown()  # after every run is freed (see `shutdown`)
 
 
-def train_checking_replicas(job: Job, rt, check_from: int) -> dict:
-    run = Run.build(job, rt, None)
+def train_checking_replicas(job: Job, runtime, check_from: int) -> dict:
+    trainer = Trainer.build(job, runtime, None)
     mismatched_steps = []
     for step in range(1, job.train.steps + 1):
-        run.train_step()
+        trainer.train_step()
         if step == check_from:
-            restores = replays_after_restore(run)
-            run.compression.metrics()  # measure bytes from here on (after warm-ups)
-        if not identical_on_all_ranks(run.model):
+            restores = replays_after_restore(trainer)
+            trainer.compression.metrics()  # measure bytes from here on (after warm-ups)
+        if not identical_on_all_ranks(trainer.model):
             mismatched_steps.append(step)
-    comm = run.compression.metrics()
-    return {**comm, **run.evaluate(), "mismatched_steps": mismatched_steps, "restores": restores}
+    comm = trainer.compression.metrics()
+    return {**comm, **trainer.evaluate(), "mismatched_steps": mismatched_steps,
+            "restores": restores}
 
 
 def identical_on_all_ranks(model: nn.Module) -> bool:
@@ -226,31 +228,31 @@ def identical_on_all_ranks(model: nn.Module) -> bool:
     return all(torch.equal(gathered[0], other) for other in gathered[1:])
 
 
-def replays_after_restore(run: Run) -> bool:
+def replays_after_restore(trainer: Trainer) -> bool:
     """Snapshot model, optimizer, schedule and compression; 5 steps; restore; 5 steps again:
     the weights move, and the rerun is bitwise equal (not if compression state were lost)."""
-    stream, batches = run.batches, [next(run.batches) for _ in range(5)]
-    saved = clone_tree(run.model.state_dict())
-    optimizer = clone_tree(run.optimizer.state_dict())
-    scheduler = clone_tree(run.scheduler.state_dict())
-    compression = clone_tree(run.compression.state_dict())
+    stream, batches = trainer.batches, [next(trainer.batches) for _ in range(5)]
+    saved = clone_tree(trainer.model.state_dict())
+    optimizer = clone_tree(trainer.optimizer.state_dict())
+    scheduler = clone_tree(trainer.scheduler.state_dict())
+    compression = clone_tree(trainer.compression.state_dict())
     rng = torch.get_rng_state()  # dropout
 
     def five_steps() -> list[torch.Tensor]:
-        run.batches = iter(batches)
+        trainer.batches = iter(batches)
         for _ in batches:
-            run.train_step()
-        return [p.detach().clone() for p in run.model.parameters()]
+            trainer.train_step()
+        return [p.detach().clone() for p in trainer.model.parameters()]
 
     first = five_steps()
     moved = any(not torch.equal(a, b) for a, b in zip(first, saved.values(), strict=True))
-    run.model.load_state_dict(saved)
-    run.optimizer.load_state_dict(optimizer)
-    run.scheduler.load_state_dict(scheduler)
-    run.compression.load_state_dict(compression)
+    trainer.model.load_state_dict(saved)
+    trainer.optimizer.load_state_dict(optimizer)
+    trainer.scheduler.load_state_dict(scheduler)
+    trainer.compression.load_state_dict(compression)
     torch.set_rng_state(rng)
     replayed = five_steps()
-    run.batches = stream
+    trainer.batches = stream
     return moved and all(torch.equal(a, b) for a, b in zip(first, replayed, strict=True))
 
 

@@ -17,8 +17,8 @@ from mgpu import tracking
 from mgpu.config import Job, build
 from mgpu.launch import launch
 from mgpu.model.mlp import MLP
-from mgpu.run import Run
 from mgpu.runtime import init_runtime, shutdown
+from mgpu.trainer import Trainer
 from tests.conftest import ROOT, launch_job, make_job, mlflow_runs
 
 EVAL_SLEEP_S = 3.0
@@ -75,11 +75,11 @@ def test_short_runs_cap_the_warmup_and_run_with_every_warmup_option(cli, tmp_pat
             in log
     jobs = [r for r in mlflow_runs(tmp_path) if "mlflow.parentRunId" in r.data.tags]
     assert len(jobs) == 5
-    for run in jobs:
-        assert run.info.status == "FINISHED"
-        assert run.data.params["train.warmup_steps"] == "5"
-        assert run.data.metrics["train/samples_per_s"] > 0
-        assert run.data.metrics["eval/accuracy"] > 0.1
+    for trainer in jobs:
+        assert trainer.info.status == "FINISHED"
+        assert trainer.data.params["train.warmup_steps"] == "5"
+        assert trainer.data.metrics["train/samples_per_s"] > 0
+        assert trainer.data.metrics["eval/accuracy"] > 0.1
 
 
 @pytest.mark.dist
@@ -104,15 +104,15 @@ def fp32_gradient_bytes(job: Job) -> int:
 
 def train_each(jobs: dict[str, dict]) -> dict[str, dict]:
     """Per rank: each job's whole training loop in turn, on one process group."""
-    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
+    runtime = init_runtime(next(iter(jobs.values())).output_dir, 120)
     summaries = {}
     try:
         for name, job in jobs.items():
-            run = Run.build(job, rt, None)
+            trainer = Trainer.build(job, runtime, None)
             try:
-                summaries[name] = run.train()
+                summaries[name] = trainer.train()
             finally:
-                run.close()
+                trainer.close()
         return summaries
     finally:
         shutdown()

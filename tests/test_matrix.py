@@ -34,9 +34,9 @@ from mgpu.config import Job, build
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.matrix import BEGIN, END, axis_options, covering_rows, overrides, refused_rows, render
 from mgpu.precision.padding import WRAPPER_NAMES
-from mgpu.run import Run
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.support import AXES
+from mgpu.trainer import Trainer
 from tests.conftest import ROOT, assert_refused, make_job
 
 STEPS, CHECKPOINT_AT = 10, 6  # resumed runs redo steps 7..10
@@ -109,11 +109,11 @@ def run_cells(jobs: dict[str, dict], results: str, timeout_s: int) -> None:
     last rank kills itself (SIGKILL): the launcher restarts the group, and every combination
     resumes from its checkpoint in a fresh process."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    rt = init_runtime(results, timeout_s)
+    runtime = init_runtime(results, timeout_s)
     failed = None
     try:
         for name, job in jobs.items():
-            own = dataclasses.replace(rt, output_dir=Path(job.output_dir))
+            own = dataclasses.replace(runtime, output_dir=Path(job.output_dir))
             if failed:  # the group may be broken: don't wait out a timeout per combination
                 record = {"error": f"not run: {failed} failed before it on this rank"}
             else:
@@ -122,73 +122,73 @@ def run_cells(jobs: dict[str, dict], results: str, timeout_s: int) -> None:
                 except Exception as e:  # recorded; the test of that combination reports it
                     record = {"error": f"{type(e).__name__}: {e}"}
                     failed = name
-            torch.save(record, Path(results) / f"{name}.attempt{attempt}.rank{rt.rank}.pt")
+            torch.save(record, Path(results) / f"{name}.attempt{attempt}.rank{runtime.rank}.pt")
             gc.collect()
     finally:
         shutdown()
-    if attempt == 0 and rt.rank == rt.world_size - 1:
+    if attempt == 0 and runtime.rank == runtime.world_size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train_cell(job: Job, rt) -> dict:
+def train_cell(job: Job, runtime) -> dict:
     """The real training loop, checked after every step; what the test compares afterwards."""
-    run = Run.build(job, rt, None)
+    trainer = Trainer.build(job, runtime, None)
     losses: dict[int, float] = {}
     diverged: list[int] = []
     # The stateful parts as restored (resumed run) or as saved at the checkpoint (first run).
-    parts = stateful_parts(run) if run.start_step else None
-    step_once = run.train_step
+    parts = stateful_parts(trainer) if trainer.start_step else None
+    step_once = trainer.train_step
 
     def checked_step() -> tuple[torch.Tensor, int]:
         nonlocal parts
         loss_sum, samples = step_once()
-        step = run.start_step + len(losses) + 1
+        step = trainer.start_step + len(losses) + 1
         losses[step] = float(loss_sum) / samples
-        if not replicas_agree(run):
+        if not replicas_agree(trainer):
             diverged.append(step)
         if step == CHECKPOINT_AT:
-            parts = stateful_parts(run)
+            parts = stateful_parts(trainer)
         return loss_sum, samples
 
-    run.train_step = checked_step
+    trainer.train_step = checked_step
     try:
-        summary = run.train()
+        summary = trainer.train()
         return {
-            "error": None, "start": run.start_step, "losses": losses, "diverged": diverged,
+            "error": None, "start": trainer.start_step, "losses": losses, "diverged": diverged,
             "eval": {k: v for k, v in summary.items() if k.startswith("eval/")},
-            "probe_agrees": predictions_agree(run, job), "state": held_state(run),
+            "probe_agrees": predictions_agree(trainer, job), "state": held_state(trainer),
             "parts": parts,
         }
     finally:
-        run.close()
+        trainer.close()
 
 
-def stateful_parts(run: Run) -> dict:
+def stateful_parts(trainer: Trainer) -> dict:
     """What the precision, compression and balance keep from step to step, as a copy."""
-    parts = {name: getattr(run, name).state_dict()
+    parts = {name: getattr(trainer, name).state_dict()
              for name in ("precision", "compression", "balance")}
     return copy.deepcopy(parts)
 
 
-def held_modules(run: Run) -> list[torch.nn.Module]:
+def held_modules(trainer: Trainer) -> list[torch.nn.Module]:
     """The modules this rank holds: its pipeline stages, or the (wrapped) model."""
-    pipe = getattr(run.strategy, "pipe", None)
-    return list(pipe.modules) if pipe else [run.model]
+    pipe = getattr(trainer.strategy, "pipe", None)
+    return list(pipe.modules) if pipe else [trainer.model]
 
 
 def own_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
-def replicas_agree(run: Run) -> bool:
+def replicas_agree(trainer: Trainer) -> bool:
     """Every parameter is bitwise the same on every rank that holds it (sharded ones gathered)."""
     digests = {}
-    for module in held_modules(run):
+    for module in held_modules(trainer):
         for name, param in module.named_parameters():
             whole = param.full_tensor() if isinstance(param, DTensor) else param
             raw = whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             digests[own_name(name)] = hashlib.sha256(raw.tobytes()).hexdigest()
-    everyone = [None] * run.rt.world_size
+    everyone = [None] * trainer.runtime.world_size
     if dist.is_initialized():
         dist.all_gather_object(everyone, digests)
     else:
@@ -196,17 +196,17 @@ def replicas_agree(run: Run) -> bool:
     return all(len({d[name] for d in everyone if name in d}) == 1 for name in digests)
 
 
-def predictions_agree(run: Run, job: Job) -> bool:
+def predictions_agree(trainer: Trainer, job: Job) -> bool:
     """Every rank predicts bitwise the same logits for the same held-out inputs."""
     _, val_set = build(job.data).splits(job.seed)
-    inputs = torch.stack([val_set[i][0] for i in range(32)]).to(run.rt.device)
-    run.model.eval()
-    with torch.no_grad(), run.precision.autocast(run.rt.device):
-        logits = run.strategy.predict(run.model, inputs).float()
-    run.model.train()
+    inputs = torch.stack([val_set[i][0] for i in range(32)]).to(trainer.runtime.device)
+    trainer.model.eval()
+    with torch.no_grad(), trainer.precision.autocast(trainer.runtime.device):
+        logits = trainer.strategy.predict(trainer.model, inputs).float()
+    trainer.model.train()
     if not dist.is_initialized():
         return True
-    everyone = [torch.empty_like(logits) for _ in range(run.rt.world_size)]
+    everyone = [torch.empty_like(logits) for _ in range(trainer.runtime.world_size)]
     dist.all_gather(everyone, logits)
     return all(torch.equal(everyone[0], other) for other in everyone[1:])
 
@@ -215,11 +215,12 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
 
 
-def held_state(run: Run) -> dict[str, torch.Tensor]:
+def held_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's parameters and optimizer state as it holds them (shards stay shards)."""
     state = {f"param/{own_name(name)}": local(p)
-             for module in held_modules(run) for name, p in module.named_parameters()}
-    optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO keeps its shard inside
+             for module in held_modules(trainer) for name, p in module.named_parameters()}
+    # ZeRO keeps its shard inside.
+    optimizer = getattr(trainer.optimizer, "optim", trainer.optimizer)
     for index, values in optimizer.state_dict()["state"].items():
         for key, value in values.items():
             if isinstance(value, torch.Tensor):

@@ -40,14 +40,14 @@ def inputs_and_activation() -> tuple[torch.Tensor, torch.Tensor]:
 def exchange_on_two_stages(output_dir: str) -> dict[str, torch.Tensor | None]:
     """On each of 2 ranks: a 2-stage pipeline predicts under bf16 autocast, then rank 0 sends a
     bf16 activation to rank 1."""
-    rt = init_runtime(output_dir, 60)
+    runtime = init_runtime(output_dir, 60)
     try:
-        pipe = Pipeline(narrow_gpt(), dist.group.WORLD, rt.device, "gpipe", 2, lambda s: s)
+        pipe = Pipeline(narrow_gpt(), dist.group.WORLD, runtime.device, "gpipe", 2, lambda s: s)
         images, activation = inputs_and_activation()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits = pipe.predict(images)
         received = None
-        if rt.rank == 0:
+        if runtime.rank == 0:
             pipe.send(activation, to=1)
         else:
             received = pipe.receive(0)

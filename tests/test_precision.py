@@ -19,8 +19,8 @@ from mgpu.model.mlp import MLP
 from mgpu.precision.amp import AMP
 from mgpu.precision.fp32 import FP32
 from mgpu.precision.padding import PaddedLinear, pad_linear_layers
-from mgpu.run import Run
 from mgpu.runtime import init_runtime, shutdown
+from mgpu.trainer import Trainer
 from tests.conftest import QUICK, assert_refused, make_job, mlflow_runs
 
 # ---------------------------------------------------------------------------------------------
@@ -145,20 +145,20 @@ LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
 
 def train_and_save_every_rank(job: Job, run_id: str | None, env: dict | None = None) -> dict:
     """worker.main, but every rank saves its own weights, to compare the replicas."""
-    rt = init_runtime(job.output_dir, job.launch.timeout_s)
+    runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
-        return train_and_save(job, rt, run_id)
+        return train_and_save(job, runtime, run_id)
     finally:
         shutdown()  # after the run is freed (see `shutdown`)
 
 
-def train_and_save(job: Job, rt, run_id: str | None) -> dict:
-    run = Run.build(job, rt, run_id)
+def train_and_save(job: Job, runtime, run_id: str | None) -> dict:
+    trainer = Trainer.build(job, runtime, run_id)
     try:
-        summary = run.train()
+        summary = trainer.train()
     finally:
-        run.close()
-    torch.save(run.model.module.state_dict(), rt.output_dir / f"rank{rt.rank}.pt")
+        trainer.close()
+    torch.save(trainer.model.module.state_dict(), runtime.output_dir / f"rank{runtime.rank}.pt")
     return summary
 
 
@@ -256,11 +256,11 @@ def test_every_precision_runs_single_process_with_padding(precision, tmp_path):
 def test_amp_run_is_tagged_and_logs_the_loss_scale(cli, tmp_path):
     result = cli(*QUICK, "precision=amp", "precision.init_scale=32768")
     assert result.returncode == 0, result.stderr
-    [run] = mlflow_runs(tmp_path)
-    assert run.data.tags["precision"] == "amp"
-    assert run.data.params["precision.init_scale"] == "32768.0"
-    assert run.data.metrics["amp/loss_scale"] == 32768.0
-    assert run.data.metrics["train/skipped_steps"] == 0
+    [trainer] = mlflow_runs(tmp_path)
+    assert trainer.data.tags["precision"] == "amp"
+    assert trainer.data.params["precision.init_scale"] == "32768.0"
+    assert trainer.data.metrics["amp/loss_scale"] == 32768.0
+    assert trainer.data.metrics["train/skipped_steps"] == 0
 
 
 @pytest.mark.e2e
@@ -270,9 +270,9 @@ def test_too_many_nonfinite_steps_fail_the_run_naming_the_step(cli, tmp_path):
     assert result.returncode == 1
     assert "3 optimizer steps in a row had a non-finite loss or gradient" in result.stderr
     assert "the last at step" in result.stderr
-    [run] = mlflow_runs(tmp_path)
-    assert run.info.status == "FAILED"
-    assert "precision.max_nonfinite_steps=3" in run.data.tags["mgpu.error"]
+    [trainer] = mlflow_runs(tmp_path)
+    assert trainer.info.status == "FAILED"
+    assert "precision.max_nonfinite_steps=3" in trainer.data.tags["mgpu.error"]
 
 
 @pytest.mark.e2e

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu.launch import WORKER_ENV, environment
-from mgpu.run import Run
 from mgpu.runtime import init_runtime, shutdown
+from mgpu.trainer import Trainer
 from tests.conftest import QUICK, launch_job, make_job
 from tests.test_strategies import GPT
 
@@ -26,14 +26,14 @@ STRATEGIES = {
 
 def draws_after_build(jobs: dict[str, dict]) -> dict[str, torch.Tensor]:
     """Per rank: build each job's run in turn and draw from the global RNG right after."""
-    rt = init_runtime(next(iter(jobs.values())).output_dir, 120)
+    runtime = init_runtime(next(iter(jobs.values())).output_dir, 120)
     draws = {}
     try:
         for name, job in jobs.items():
-            run = Run.build(job, rt, None)
+            trainer = Trainer.build(job, runtime, None)
             draws[name] = torch.rand(8)
-            run.close()
-            del run  # before its group (see `shutdown`)
+            trainer.close()
+            del trainer  # before its group (see `shutdown`)
         return draws
     finally:
         shutdown()

@@ -9,7 +9,7 @@ import torch
 
 from mgpu.config import build
 from mgpu.model.gpt import GPT as GPTModel
-from mgpu.parallel import apply_checkpointing
+from mgpu.parallel import recompute_activations
 from tests.conftest import assert_refused, make_job
 from tests.test_ddp import SGD, assert_weights_close
 
@@ -107,7 +107,7 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
     torch.manual_seed(0)
     model = GPTModel((1, 8, 8), 10)
     checkpointed = copy.deepcopy(model)
-    apply_checkpointing(checkpointed, mode)
+    recompute_activations(checkpointed, mode)
     inputs, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
     for m in (model, checkpointed):
         torch.nn.functional.cross_entropy(m(inputs), labels).backward()

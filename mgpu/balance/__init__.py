@@ -38,12 +38,12 @@ class Balance(Protocol):
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         """Samples this rank takes from each global batch at the start."""
 
-    def attach(self, model: nn.Module, rt: Runtime, job: Job) -> None:
+    def attach(self, model: nn.Module, runtime: Runtime, job: Job) -> None:
         """Set up for the wrapped model: the step clock's hooks, where it runs."""
 
     def comm_hook(self, model: nn.Module) -> CommHook | None:
         """After `attach`: the DDP comm hook this option works through, or None (most options);
-        `Run.build` registers it."""
+        `Trainer.build` registers it."""
 
     def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches, endless."""

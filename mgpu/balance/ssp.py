@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed import GradBucket
 from torch.futures import Future, collect_all
 
-from mgpu.balance.none import EqualSplit
+from mgpu.balance.equal import EqualSplit
 from mgpu.errors import ConfigError
 from mgpu.runtime import gather_rows
 
@@ -139,7 +139,8 @@ class StaleSynchronous(EqualSplit):
         """The stale-gradient hook and its in-flight steps, keyed by `model`'s parameter names.
         No state for DDP to hand it: the hook's object holds everything."""
         names = {id(p): name for name, p in getattr(model, "module", model).named_parameters()}
-        self.stale = StaleGradients(self.staleness, self.rt.world_size, names, self.rt.device)
+        runtime = self.runtime
+        self.stale = StaleGradients(self.staleness, runtime.world_size, names, runtime.device)
         return None, self.stale.hook
 
     def has_gradients(self) -> bool:
@@ -153,7 +154,7 @@ class StaleSynchronous(EqualSplit):
     def metrics(self) -> dict[str, float]:
         steps = self.clock.totals()["steps"] - self.logged["steps"]
         metrics = super().metrics()
-        ahead = gather_rows([self.ahead / max(steps, 1)], self.rt)[:, 0]
+        ahead = gather_rows([self.ahead / max(steps, 1)], self.runtime)[:, 0]
         self.ahead = 0
         metrics["balance/ahead_steps"] = float(ahead.max())
         ages, self.stale.ages = self.stale.ages, []

@@ -61,8 +61,8 @@ class Thermal(Throughput):
 
     def speeds(self, measured: torch.Tensor) -> torch.Tensor:
         """Measured rates blended with telemetry; measured alone where any rank has none."""
-        own = predicted_speed(self.rt.device, self.margin_c)
-        predicted = gather_rows([float("nan") if own is None else own], self.rt)[:, 0]
+        own = predicted_speed(self.runtime.device, self.margin_c)
+        predicted = gather_rows([float("nan") if own is None else own], self.runtime)[:, 0]
         if predicted.isnan().any():
             if not self.fallback_logged:
                 log.info("balance=thermal: no NVML telemetry on rank(s) %s; splitting by "

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mgpu.balance.none import EqualSplit
+from mgpu.balance.equal import EqualSplit
 from mgpu.errors import ConfigError
 from mgpu.runtime import gather_rows
 
@@ -116,7 +116,7 @@ class Throughput(EqualSplit):
         # The median step, not the mean: a rank descheduled for one step (a busy neighbour, a
         # page fault) would otherwise look slow for the whole window.
         seconds = statistics.median(window) if window else 0.0
-        rates = gather_rows([1 / seconds if seconds > 0 else 0.0], self.rt)[:, 0]
+        rates = gather_rows([1 / seconds if seconds > 0 else 0.0], self.runtime)[:, 0]
         if not rates.all():  # no step measured yet (a resumed run's first two): keep the split
             return
         if self.smoothed is None:
@@ -141,15 +141,15 @@ class Throughput(EqualSplit):
         return {**super().metrics(), "balance/rebalances": float(self.rebalances)}
 
     def state_dict(self) -> dict:
-        return {"world_size": self.rt.world_size, "sizes": list(self.sizes), "step": self.step,
+        return {"world_size": self.runtime.world_size, "sizes": list(self.sizes), "step": self.step,
                 "smoothed": self.smoothed, "rebalances": self.rebalances}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("world_size") != self.rt.world_size:
+        if state.get("world_size") != self.runtime.world_size:
             saved = (f"the checkpoint's split {state['sizes']} is for {state['world_size']} ranks"
                      if "sizes" in state else "the checkpoint holds no split (another balance)")
             log.info("balance: %s; starting from an equal split over %d ranks", saved,
-                     self.rt.world_size)
+                     self.runtime.world_size)
             return
         self.step, self.rebalances = state["step"], state["rebalances"]
         self.smoothed = state["smoothed"]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 #: What DDP's `register_comm_hook(state, hook)` takes: the hook's state and the hook. An option
-#: that owns the comm hook hands this over and `Run.build` registers it, so one place installs
+#: that owns the comm hook hands this over and `Trainer.build` registers it, so one place installs
 #: DDP's one hook and the monitor can time it there.
 CommHook = tuple[Any, Callable[[Any, dist.GradBucket], torch.futures.Future]]
 
@@ -27,7 +27,7 @@ class Compression(Protocol):
 
     def comm_hook(self, model: nn.Module) -> CommHook | None:
         """Set up for the wrapped model; return the DDP comm hook that sends its gradients,
-        or None where DDP's built-in all-reduce does (`Run.build` registers it)."""
+        or None where DDP's built-in all-reduce does (`Trainer.build` registers it)."""
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         """Before the step's backward: the factor its gradients carry (the loss scale, a

@@ -1,6 +1,6 @@
 """What the compressions that run as a DDP comm hook share.
 
-The hook handed to `Run.build` for the wrapped model (which strategies take one is a rule in
+The hook handed to `Trainer.build` for the wrapped model (which strategies take one is a rule in
 `mgpu.support`), and the bytes on the wire: every tensor a hook hands to a collective goes through
 `all_reduce`/`all_gather` below, which count what that collective sends from this rank
 (PowerSGD's collectives run inside torch: there torch's own tally of each tensor it

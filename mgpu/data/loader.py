@@ -28,14 +28,14 @@ class TrainBatches:
     world size and any split.
     """
 
-    def __init__(self, dataset: Dataset, sizes: list[int], grad_accum: int, rt: Runtime,
+    def __init__(self, dataset: Dataset, sizes: list[int], grad_accum: int, runtime: Runtime,
                  seed: int) -> None:
         if sum(sizes) > len(dataset) or min(sizes) < grad_accum:
             raise ValueError(f"split {sizes} of {len(dataset)} samples: the global batch must "
                              f"fit the data and each share hold {grad_accum} micro-batch(es)")
-        self.rt = rt
-        self.sampler = GlobalOrderSampler(len(dataset), sizes, grad_accum, rt.rank, seed)
-        self.on_cuda = rt.device.type == "cuda"
+        self.runtime = runtime
+        self.sampler = GlobalOrderSampler(len(dataset), sizes, grad_accum, runtime.rank, seed)
+        self.on_cuda = runtime.device.type == "cuda"
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, pin_memory=self.on_cuda)
         self.iterator = iter(self.loader)
 
@@ -44,8 +44,8 @@ class TrainBatches:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels = next(self.iterator)
-        return (inputs.to(self.rt.device, non_blocking=self.on_cuda),
-                labels.to(self.rt.device, non_blocking=self.on_cuda))
+        return (inputs.to(self.runtime.device, non_blocking=self.on_cuda),
+                labels.to(self.runtime.device, non_blocking=self.on_cuda))
 
     def set_sizes(self, sizes: list[int]) -> None:
         """A new split of the same global batch, from the next global batch on."""
@@ -72,11 +72,12 @@ class EvalBatches:
     labelled IGNORED_LABEL, which counts nowhere. Every real sample is on exactly one rank.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, rt: Runtime) -> None:
+    def __init__(self, dataset: Dataset, batch_size: int, runtime: Runtime) -> None:
         self.dataset = dataset
-        shard = Subset(dataset, range(rt.rank, len(dataset), rt.world_size))
-        self.loader = DataLoader(shard, batch_size=batch_size, pin_memory=rt.device.type == "cuda")
-        longest_shard = -(-len(dataset) // rt.world_size)
+        shard = Subset(dataset, range(runtime.rank, len(dataset), runtime.world_size))
+        pin = runtime.device.type == "cuda"
+        self.loader = DataLoader(shard, batch_size=batch_size, pin_memory=pin)
+        longest_shard = -(-len(dataset) // runtime.world_size)
         self.num_batches = -(-longest_shard // batch_size)
 
     def __len__(self) -> int:

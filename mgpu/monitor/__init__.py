@@ -1,6 +1,6 @@
 """Observability for one rank: the `monitor` section of the config, assembled in one object.
 
-`Run` holds a `Monitor` and calls it at four points: on the DDP comm hook before `Run.build`
+`Trainer` holds a `Monitor` and calls it at four points: on the DDP comm hook before `Trainer.build`
 registers it (`monitor.timed(hook)`, to time it), around each phase of a step
 (`monitor.timer.phase(name)`), after each step, and at log points, where every rank joins one
 small all-reduce that gathers the window's figures so rank 0 can log min/mean/max across ranks
@@ -42,34 +42,35 @@ WINDOW_KEYS = ("compute_before_comm", "allreduce")
 
 class Monitor:
     def __init__(
-        self, job: Job, rt: Runtime, run_id: str | None, data: Any, precision: Any,
+        self, job: Job, runtime: Runtime, run_id: str | None, data: Any, precision: Any,
         local_batch: int,
     ) -> None:
         cfg = job.monitor
-        self.rt, self.run_id, self.uri = rt, run_id, job.tracking.uri
+        self.runtime, self.run_id, self.uri = runtime, run_id, job.tracking.uri
         self.enabled = cfg.enabled
         self.local_batch = local_batch
-        self.comm = CommMeter(rt.device) if self.enabled and rt.world_size > 1 else None
+        self.comm = CommMeter(runtime.device) if self.enabled and runtime.world_size > 1 else None
         self.timer: PhaseTimer | NullTimer = (
-            PhaseTimer(rt.device, job.train.warmup_steps, self.comm)
+            PhaseTimer(runtime.device, job.train.warmup_steps, self.comm)
             if self.enabled else NullTimer()
         )
-        self.telemetry = Telemetry(rt.device, cfg.interval_s) if self.enabled else None
+        self.telemetry = Telemetry(runtime.device, cfg.interval_s) if self.enabled else None
         self.mfu = (
-            MFU.for_run(job, data, rt.device, precision, rt.world_size) if self.enabled else None
+            MFU.for_run(job, data, runtime.device, precision, runtime.world_size)
+            if self.enabled else None
         )
         self.exporter = None
         if cfg.prometheus_port is not None:
             self.exporter = Exporter(
-                cfg.prometheus_host, cfg.prometheus_port, rt.rank,
-                multiprocess_dir(Path(job.output_dir)), serve=rt.local_rank == 0)
+                cfg.prometheus_host, cfg.prometheus_port, runtime.rank,
+                multiprocess_dir(Path(job.output_dir)), serve=runtime.local_rank == 0)
             if self.telemetry:
                 self.telemetry.listeners.append(self.exporter.update_device)
         self.profiler = None
         if cfg.profile:
-            trace = rt.output_dir / "profile" / f"trace_rank{rt.rank}.json"
+            trace = runtime.output_dir / "profile" / f"trace_rank{runtime.rank}.json"
             self.profiler = StepProfiler(
-                rt.device, cfg.profile_start_step, cfg.profile_steps, trace)
+                runtime.device, cfg.profile_start_step, cfg.profile_steps, trace)
         if self.telemetry:
             self.telemetry.start()
         self.window_steps = 0
@@ -107,8 +108,8 @@ class Monitor:
             float(np.mean([w[key] for w in window])) if window else math.nan
             for key in WINDOW_KEYS
         ] + self.telemetry.window()
-        table = gather_rows(local, self.rt).numpy()
-        if not self.rt.is_main:
+        table = gather_rows(local, self.runtime).numpy()
+        if not self.runtime.is_main:
             return {}
         out = self.timer.percentiles()
         out.update(self.across_ranks(table, metrics.get("comm/bytes_per_step")))

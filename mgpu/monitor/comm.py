@@ -7,7 +7,7 @@ communication) and its completion (a callback on the future). The bytes those co
 on the wire depend on what the hook sends and by which collective: the compression counts
 them (`mgpu/compression/commhook.py`), and the monitor divides them by the time measured here.
 
-Any hook can be wrapped: `Run.build` hands the monitor the one hook an option owns (a
+Any hook can be wrapped: `Trainer.build` hands the monitor the one hook an option owns (a
 compression, or balance=ssp) and registers what `CommMeter.timed` returns. Where no option owns
 one, DDP would all-reduce in C++ out of Python's sight, so while monitoring an all-reduce of the
 bucket's mean (what DDP does by default) is registered instead, timed in one future callback

@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from mgpu.parallel.checkpointing import apply_checkpointing
 from mgpu.parallel.fsdp import shard_model
 from mgpu.parallel.plan import DATA_PARALLEL_DIMS, DDPOptions, FSDPOptions, ParallelPlan
+from mgpu.parallel.recompute import recompute_activations
 from mgpu.pipeline import Pipeline
 from mgpu.runtime import Runtime
 
@@ -39,14 +39,14 @@ class Layout:
     #: The schedule and this rank's stages where the plan has a pipeline.
     pipe: Pipeline | None = None
 
-    def data_runtime(self, rt: Runtime) -> Runtime:
+    def data_runtime(self, runtime: Runtime) -> Runtime:
         """`rt` as the data loaders should see it: rank and size within the data-parallel dims
         (ranks that differ only in their tp or pp coordinate read the same samples)."""
         rank = 0
         for name in DATA_PARALLEL_DIMS:
             if self.mesh is not None and name in self.mesh.mesh_dim_names:
                 rank = rank * self.mesh[name].size() + self.mesh[name].get_local_rank()
-        return dataclasses.replace(rt, rank=rank, world_size=self.plan.dp)
+        return dataclasses.replace(runtime, rank=rank, world_size=self.plan.dp)
 
 
 def parallelize(
@@ -77,7 +77,7 @@ def parallelize_stage(
     model already on `device` (the whole model, or one pipeline stage of it)."""
     if plan.tp > 1:
         split_blocks(part, mesh["tp"], plan.sequence_parallel)
-    apply_checkpointing(part, plan.activation_checkpointing)
+    recompute_activations(part, plan.activation_checkpointing)
     if isinstance(plan.data_parallel, FSDPOptions):
         return shard_model(part, data_parallel_mesh(mesh), plan.data_parallel, precision, device)
     if isinstance(plan.data_parallel, DDPOptions):

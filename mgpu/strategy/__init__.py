@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mgpu.meter import memory_metrics
-from mgpu.parallel import DDPOptions, FSDPOptions, Layout, ParallelPlan, check_checkpointing
+from mgpu.parallel import DDPOptions, FSDPOptions, Layout, ParallelPlan, check_activation_recompute
 from mgpu.parallel.fsdp import gradient_sync_off
 from mgpu.pipeline import Pipeline
 from mgpu.precision.padding import unpad_state_dict
@@ -66,7 +66,7 @@ class Strategy(ABC):
 
     def __init__(self, activation_checkpointing: str = "none") -> None:
         """Every strategy takes `activation_checkpointing` (none | full | selective)."""
-        check_checkpointing(activation_checkpointing)
+        check_activation_recompute(activation_checkpointing)
         self.activation_checkpointing = activation_checkpointing
 
     @abstractmethod

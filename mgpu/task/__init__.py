@@ -14,7 +14,7 @@ class Task(Protocol):
     #: The summary key a Hydra sweeper optimises (returned by `python -m mgpu`).
     objective: str
 
-    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
         """Do the task on this rank; rank 0's summary reaches the parent."""
 
     def summary_line(self, summary: dict[str, float]) -> str:

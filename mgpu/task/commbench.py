@@ -102,16 +102,16 @@ class CommBench:
         self.warmup, self.repeats = warmup, repeats
         self.objective = f"commbench/{self.ops[0]}/busbw_peak_GBps"
 
-    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
         """Every op at every size; rank 0 logs each point (step = size in bytes) and the table."""
-        tracker = MetricLogger(job.tracking.uri, run_id) if rt.is_main and run_id else None
-        sizes = message_sizes(self.min_bytes, self.max_bytes, self.factor, rt.world_size)
+        tracker = MetricLogger(job.tracking.uri, run_id) if runtime.is_main and run_id else None
+        sizes = message_sizes(self.min_bytes, self.max_bytes, self.factor, runtime.world_size)
         log.info("commbench: %s on %d rank(s), %d to %d bytes", ", ".join(self.ops),
-                 rt.world_size, sizes[0], sizes[-1])
+                 runtime.world_size, sizes[0], sizes[-1])
         results = []
         for op in self.ops:
             for size in sizes:
-                res = result(op, size, self.seconds_per_call(op, size, rt), rt.world_size)
+                res = result(op, size, self.seconds_per_call(op, size, runtime), runtime.world_size)
                 log.info("%-14s %12d B %10.1f us %8.3f GB/s algbw %8.3f GB/s busbw", op, size,
                          res.latency_s * 1e6, res.algbw_GBps, res.busbw_GBps)
                 results.append(res)
@@ -119,26 +119,27 @@ class CommBench:
                     tracker.log({f"commbench/{op}/{name}": getattr(res, name)
                                  for name in ("latency_s", "algbw_GBps", "busbw_GBps")}, size)
         summary = summarize(results)
-        if rt.is_main:
-            path = write_table(results, rt.output_dir / TABLE_FILE)
+        if runtime.is_main:
+            path = write_table(results, runtime.output_dir / TABLE_FILE)
             if tracker:
                 tracker.log(summary, 0)
                 tracker.close()
                 MlflowClient(job.tracking.uri).log_artifact(run_id, str(path))
         return summary
 
-    def seconds_per_call(self, op: str, size_bytes: int, rt: Runtime) -> float:
+    def seconds_per_call(self, op: str, size_bytes: int, runtime: Runtime) -> float:
         """Mean time of one call over `repeats` back-to-back calls, on the slowest rank."""
-        call = checked_collective(op, size_bytes // ELEMENT_BYTES, rt)
+        call = checked_collective(op, size_bytes // ELEMENT_BYTES, runtime)
         for _ in range(self.warmup):
             call()
-        synchronize(rt.device)
+        synchronize(runtime.device)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(self.repeats):
             call()
-        synchronize(rt.device)
-        elapsed = torch.tensor([(time.perf_counter() - start) / self.repeats], device=rt.device)
+        synchronize(runtime.device)
+        seconds = (time.perf_counter() - start) / self.repeats
+        elapsed = torch.tensor([seconds], device=runtime.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective ends with its last rank
         return elapsed.item()
 
@@ -147,13 +148,13 @@ class CommBench:
         return f"commbench peak busbw (GB/s): {', '.join(peaks)}"
 
 
-def checked_collective(op: str, numel: int, rt: Runtime) -> Callable[[], object]:
+def checked_collective(op: str, numel: int, runtime: Runtime) -> Callable[[], object]:
     """The collective on fresh buffers, after one call whose result is checked.
 
     Each rank starts with its rank + 1 in every element, so every op has a known answer; the
     input is then zeroed so repeated in-place reductions stay finite.
     """
-    n, rank, device = rt.world_size, rt.rank, rt.device
+    n, rank, device = runtime.world_size, runtime.rank, runtime.device
     chunk = numel // n
     mine = float(rank + 1)
     total = float(n * (n + 1) // 2)

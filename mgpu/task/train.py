@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mgpu.run import Run
 from mgpu.runtime import Runtime
+from mgpu.trainer import Trainer
 
 if TYPE_CHECKING:
     from mgpu.config import Job
@@ -14,14 +14,14 @@ if TYPE_CHECKING:
 class Train:
     objective = "eval/accuracy"
 
-    def run(self, job: Job, rt: Runtime, run_id: str | None) -> dict[str, float]:
-        run = Run.build(job, rt, run_id)
+    def trainer(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
+        trainer = Trainer.build(job, runtime, run_id)
         try:
-            summary = run.train()
-            run.save_weights()
+            summary = trainer.train()
+            trainer.save_weights()
             return summary
         finally:
-            run.close()
+            trainer.close()
 
     def summary_line(self, summary: dict[str, float]) -> str:
         return (

@@ -35,18 +35,18 @@ class EqualSplit:
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         return global_batch // world_size
 
-    def attach(self, model: nn.Module, rt: Runtime, job: Job) -> None:
-        self.rt, self.seed = rt, job.seed
+    def attach(self, model: nn.Module, runtime: Runtime, job: Job) -> None:
+        self.runtime, self.seed = runtime, job.seed
         self.global_batch = job.data["batch_size"]
         self.grad_accum = job.train.grad_accum
-        self.sizes = [self.local_batch_size(self.global_batch, r, rt.world_size)
-                      for r in range(rt.world_size)]
-        straggler = Straggler(**dataclasses.asdict(job.straggler), rank=rt.rank, seed=job.seed)
+        self.sizes = [self.local_batch_size(self.global_batch, r, runtime.world_size)
+                      for r in range(runtime.world_size)]
+        straggler = Straggler(**dataclasses.asdict(job.straggler), rank=runtime.rank, seed=job.seed)
         self.clock = None
         # Decided from the job, not this rank's straggler: every rank must run the clock, since
         # its metrics are collectives.
         if job.straggler.slowdown or job.straggler.jitter_s > 0 or self.measures:
-            self.clock = StepClock(straggler, rt.device)
+            self.clock = StepClock(straggler, runtime.device)
             self.clock.attach(model)
             self.logged = self.clock.totals()
 
@@ -55,18 +55,18 @@ class EqualSplit:
         return None
 
     def batches(self, dataset: Dataset) -> TrainBatches:
-        self.loader = TrainBatches(dataset, self.sizes, self.grad_accum, self.rt, self.seed)
+        self.loader = TrainBatches(dataset, self.sizes, self.grad_accum, self.runtime, self.seed)
         return self.loader
 
     def loss_divisor(self, micro_batch: int) -> float:
         """global batch / (micro-batch x world size): DDP averages the ranks' gradients with
         equal weight, so each micro-batch's mean loss is scaled by its share of the global
         batch (times the world size). On an equal split this is exactly `grad_accum`."""
-        return self.global_batch / (micro_batch * self.rt.world_size)
+        return self.global_batch / (micro_batch * self.runtime.world_size)
 
     def before_step(self) -> None:
         if self.clock:
-            self.clock.start_step(self.sizes[self.rt.rank])
+            self.clock.start_step(self.sizes[self.runtime.rank])
 
     def after_backward(self) -> None:
         if self.clock:
@@ -82,7 +82,7 @@ class EqualSplit:
         totals = self.clock.totals()
         steps, samples, busy, wait = (totals[k] - self.logged[k] for k in totals)
         self.logged = totals
-        rows = gather_rows([samples, busy, wait, max(steps, 1)], self.rt)
+        rows = gather_rows([samples, busy, wait, max(steps, 1)], self.runtime)
         samples, busy, wait, steps = rows.unbind(1)
         busy_per_step = busy / steps
         metrics = {f"balance/batch_rank{r}": float(size) for r, size in enumerate(self.sizes)}

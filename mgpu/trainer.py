@@ -41,7 +41,7 @@ from mgpu.tracking import MetricLogger
 if TYPE_CHECKING:
     from mgpu.config import Job
 
-log = logging.getLogger("mgpu.run")
+log = logging.getLogger("mgpu.trainer")
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -63,9 +63,9 @@ def one_comm_hook(*hooks: CommHook | None) -> CommHook | None:
 
 
 @dataclass
-class Run:
+class Trainer:
     job: Job
-    rt: Runtime
+    runtime: Runtime
     model: nn.Module
     precision: Precision
     strategy: Strategy
@@ -81,7 +81,7 @@ class Run:
     start_step: int = 0  # the step of the checkpoint this run resumed from
 
     @classmethod
-    def build(cls, job: Job, rt: Runtime, run_id: str | None) -> Run:
+    def build(cls, job: Job, runtime: Runtime, run_id: str | None) -> Trainer:
         """Data → model → precision → the strategy's plan → its mesh → the model laid out by
         it → compression and balance → DDP's comm hook → optimizer → tracking → checkpointer,
         then the state of the checkpoint to resume from, if any."""
@@ -94,24 +94,26 @@ class Run:
         precision = build(job.precision)
         model = precision.prepare(model)
         strategy = build(job.strategy)
-        plan = strategy.plan(rt.world_size)
-        mesh = plan.device_mesh(rt.device)  # the one mesh: every step below slices it
+        plan = strategy.plan(runtime.world_size)
+        mesh = plan.device_mesh(runtime.device)  # the one mesh: every step below slices it
         # Pipeline split, then on each stage TP → activation checkpointing → FSDP2 or DDP.
         layout = parallelize(
-            model, plan, mesh, rt.device, precision, build(job.network)
+            model, plan, mesh, runtime.device, precision, build(job.network)
         )
         strategy.use(layout)  # the step, evaluation and export run on this layout
         model = layout.model
-        precision.attach(model, rt.device)
-        data_rt = layout.data_runtime(rt)  # ranks sharing one model replica read the same data
+        precision.attach(model, runtime.device)
+        # Ranks sharing one model replica read the same data.
+        data_runtime = layout.data_runtime(runtime)
         # From here on each replica draws its own dropout masks; ranks that share a replica (its
         # tp and pp peers) keep drawing alike, as their replicated activations need.
-        torch.manual_seed(replica_seed(job.seed, data_rt.rank))
+        torch.manual_seed(replica_seed(job.seed, data_runtime.rank))
         compression = build(job.compression)
         balance = build(job.balance)
-        local_batch = balance.local_batch_size(data.batch_size, data_rt.rank, data_rt.world_size)
-        monitor = Monitor(job, rt, run_id, data, precision, local_batch)
-        balance.attach(model, data_rt, job)
+        local_batch = balance.local_batch_size(
+            data.batch_size, data_runtime.rank, data_runtime.world_size)
+        monitor = Monitor(job, runtime, run_id, data, precision, local_batch)
+        balance.attach(model, data_runtime, job)
         # DDP takes one comm hook: at most one option owns it (a compression other than none,
         # or balance=ssp; mgpu.support refuses both). It is registered here and nowhere else,
         # timed where the monitor times communication (only a DDP model takes a hook).
@@ -124,11 +126,11 @@ class Run:
             build(job.optim), model, job.train.steps
         )
         tracker = None
-        if rt.is_main and run_id:
+        if runtime.is_main and run_id:
             tracker = MetricLogger(job.tracking.uri, run_id)
-        run = cls(
+        trainer = cls(
             job=job,
-            rt=rt,
+            runtime=runtime,
             model=model,
             precision=precision,
             strategy=strategy,
@@ -137,15 +139,15 @@ class Run:
             optimizer=optimizer,
             scheduler=scheduler,
             batches=balance.batches(train_set),
-            val_loader=EvalBatches(val_set, job.eval.batch_size, data_rt),
+            val_loader=EvalBatches(val_set, job.eval.batch_size, data_runtime),
             tracker=tracker,
             monitor=monitor,
-            checkpointer=Checkpointer(job, rt, run_id),
+            checkpointer=Checkpointer(job, runtime, run_id),
         )
-        run.start_step = run.checkpointer.restore(run)
-        if run.start_step:
-            run.log({"checkpoint/resumed_from_step": run.start_step}, run.start_step)
-        return run
+        trainer.start_step = trainer.checkpointer.restore(trainer)
+        if trainer.start_step:
+            trainer.log({"checkpoint/resumed_from_step": trainer.start_step}, trainer.start_step)
+        return trainer
 
     def train(self) -> dict[str, float]:
         """The loop: step, record, and on schedule log metrics and evaluate. Returns the summary.
@@ -155,16 +157,17 @@ class Run:
         cfg = self.job.train
         steps, log_every = cfg.steps, cfg.log_every
         eval_every = self.job.eval.every_steps
-        meter = StepMeter(self.job.data["batch_size"], cfg.warmup_steps, self.rt.device)
-        fail_at = fault.fault_step(self.job.fault, self.rt.rank)
-        log.info("training %d steps on %d rank(s), %s", steps, self.rt.world_size, self.rt.device)
+        meter = StepMeter(self.job.data["batch_size"], cfg.warmup_steps, self.runtime.device)
+        fail_at = fault.fault_step(self.job.fault, self.runtime.rank)
+        log.info("training %d steps on %d rank(s), %s", steps, self.runtime.world_size,
+                 self.runtime.device)
         metrics: dict[str, float] = {}
         with self.progress_bar() as bar, fault.naming_step() as at:
             task = bar.add_task("train", total=steps, completed=self.start_step, loss="-", rate="-")
             for step in range(self.start_step + 1, steps + 1):
                 at.step = step
                 if step == fail_at:
-                    fault.inject(self.job.fault.mode, self.rt.rank, step, self.model)
+                    fault.inject(self.job.fault.mode, self.runtime.rank, step, self.model)
                 meter.record(step, *self.train_step())
                 self.monitor.end_step(step)
                 if step % log_every == 0 or step == steps:
@@ -224,7 +227,7 @@ class Run:
         metrics = {
             "train/loss": meter.window_loss(),
             "train/lr": self.scheduler.get_last_lr()[0],
-            "memory/peak_bytes": float(peak_memory_bytes(self.rt.device)),
+            "memory/peak_bytes": float(peak_memory_bytes(self.runtime.device)),
             **self.strategy.metrics(self.model, self.optimizer),
             **meter.throughput(),
             **self.precision.metrics(),
@@ -247,10 +250,10 @@ class Run:
         Samples labelled IGNORED_LABEL only keep a rank's forward passes in step with its peers'.
         """
         self.model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.runtime.device)
         for inputs, labels in self.val_loader:
-            inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
-            with self.precision.autocast(self.rt.device):
+            inputs, labels = inputs.to(self.runtime.device), labels.to(self.runtime.device)
+            with self.precision.autocast(self.runtime.device):
                 logits = self.strategy.predict(self.model, inputs)
             totals[0] += F.cross_entropy(
                 logits.float(), labels, ignore_index=IGNORED_LABEL, reduction="sum"
@@ -275,8 +278,8 @@ class Run:
         run stored them, not part of the model.
         """
         state = self.strategy.full_state_dict(self.model)
-        if self.rt.is_main:
-            torch.save(state, self.rt.output_dir / "model.pt")
+        if self.runtime.is_main:
+            torch.save(state, self.runtime.output_dir / "model.pt")
 
     def close(self) -> None:
         self.monitor.close()
@@ -290,5 +293,5 @@ class Run:
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  {task.fields[rate]} samples/s"),
             TimeRemainingColumn(),
-            disable=not (self.rt.is_main and sys.stdout.isatty()),
+            disable=not (self.runtime.is_main and sys.stdout.isatty()),
         )

@@ -19,7 +19,7 @@ from mgpu.errors import ConfigError
 CHECKPOINTING = ("none", "full", "selective")
 
 
-def check_checkpointing(mode: str) -> None:
+def check_activation_recompute(mode: str) -> None:
     """ConfigError unless `mode` is a checkpointing mode (when the strategy is configured)."""
     if mode not in CHECKPOINTING:
         raise ConfigError(
@@ -34,7 +34,7 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_checkpointing(model: nn.Module, mode: str) -> None:
+def recompute_activations(model: nn.Module, mode: str) -> None:
     """Recompute each block's activations in backward (`full`), or all but its matmuls
     (`selective`). Non-reentrant: the reentrant variant drops gradients when a block's inputs
     don't require grad."""
