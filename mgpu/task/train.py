@@ -1,4 +1,4 @@
-"""Train the model (the default task): build the run, train, evaluate, save the weights."""
+"""Train the model (the default task): build the trainer, train, evaluate, save the weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 class Train:
     objective = "eval/accuracy"
 
-    def trainer(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
         trainer = Trainer.build(job, runtime, run_id)
         try:
             summary = trainer.train()
