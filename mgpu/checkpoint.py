@@ -300,7 +300,7 @@ def train_state(trainer: Trainer, step: int, with_rank_state: bool = True) -> di
         "progress": {"step": step, "data": trainer.batches.state_dict()},
     }
     if with_rank_state:
-        state[f"rank{trainer.rt.rank}"] = pack(
+        state[f"rank{trainer.runtime.rank}"] = pack(
             {"rng": rng_state(), "compression": trainer.compression.state_dict()}
         )
     return state
@@ -314,7 +314,7 @@ def apply_train_state(trainer: Trainer, state: dict[str, Any]) -> int:
     trainer.precision.load_state_dict(state["precision"])
     trainer.balance.load_state_dict(unpack(state["balance"]))
     trainer.batches.load_state_dict(state["progress"]["data"])
-    own = state.get(f"rank{trainer.rt.rank}")
+    own = state.get(f"rank{trainer.runtime.rank}")
     if own is not None:
         own = unpack(own)
         set_rng_state(own["rng"])

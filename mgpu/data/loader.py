@@ -18,7 +18,7 @@ from mgpu.runtime import Runtime
 
 
 class TrainBatches:
-    """Endless (inputs, labels) micro-batches of this rank's share, on `rt.device`.
+    """Endless (inputs, labels) micro-batches of this rank's share, on `runtime.device`.
 
     `sizes` is every rank's share of the global batch (summing to it, each >= `grad_accum`);
     each step's share comes as `grad_accum` micro-batches of near-equal size. The ranks' shares

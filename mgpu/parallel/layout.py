@@ -40,7 +40,7 @@ class Layout:
     pipe: Pipeline | None = None
 
     def data_runtime(self, runtime: Runtime) -> Runtime:
-        """`rt` as the data loaders should see it: rank and size within the data-parallel dims
+        """`runtime` as the data loaders should see it: rank and size within the data-parallel dims
         (ranks that differ only in their tp or pp coordinate read the same samples)."""
         rank = 0
         for name in DATA_PARALLEL_DIMS:
