@@ -75,11 +75,11 @@ def test_short_runs_cap_the_warmup_and_run_with_every_warmup_option(cli, tmp_pat
             in log
     jobs = [r for r in mlflow_runs(tmp_path) if "mlflow.parentRunId" in r.data.tags]
     assert len(jobs) == 5
-    for trainer in jobs:
-        assert trainer.info.status == "FINISHED"
-        assert trainer.data.params["train.warmup_steps"] == "5"
-        assert trainer.data.metrics["train/samples_per_s"] > 0
-        assert trainer.data.metrics["eval/accuracy"] > 0.1
+    for run in jobs:
+        assert run.info.status == "FINISHED"
+        assert run.data.params["train.warmup_steps"] == "5"
+        assert run.data.metrics["train/samples_per_s"] > 0
+        assert run.data.metrics["eval/accuracy"] > 0.1
 
 
 @pytest.mark.dist

@@ -256,11 +256,11 @@ def test_every_precision_runs_single_process_with_padding(precision, tmp_path):
 def test_amp_run_is_tagged_and_logs_the_loss_scale(cli, tmp_path):
     result = cli(*QUICK, "precision=amp", "precision.init_scale=32768")
     assert result.returncode == 0, result.stderr
-    [trainer] = mlflow_runs(tmp_path)
-    assert trainer.data.tags["precision"] == "amp"
-    assert trainer.data.params["precision.init_scale"] == "32768.0"
-    assert trainer.data.metrics["amp/loss_scale"] == 32768.0
-    assert trainer.data.metrics["train/skipped_steps"] == 0
+    [run] = mlflow_runs(tmp_path)
+    assert run.data.tags["precision"] == "amp"
+    assert run.data.params["precision.init_scale"] == "32768.0"
+    assert run.data.metrics["amp/loss_scale"] == 32768.0
+    assert run.data.metrics["train/skipped_steps"] == 0
 
 
 @pytest.mark.e2e
@@ -270,9 +270,9 @@ def test_too_many_nonfinite_steps_fail_the_run_naming_the_step(cli, tmp_path):
     assert result.returncode == 1
     assert "3 optimizer steps in a row had a non-finite loss or gradient" in result.stderr
     assert "the last at step" in result.stderr
-    [trainer] = mlflow_runs(tmp_path)
-    assert trainer.info.status == "FAILED"
-    assert "precision.max_nonfinite_steps=3" in trainer.data.tags["mgpu.error"]
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert "precision.max_nonfinite_steps=3" in run.data.tags["mgpu.error"]
 
 
 @pytest.mark.e2e
