@@ -32,6 +32,7 @@ from torch.distributed import GradBucket
 from torch.futures import Future, collect_all
 
 from mgpu.balance.equal import EqualSplit
+from mgpu.compression.commhook import parameter_names
 from mgpu.errors import ConfigError
 from mgpu.runtime import gather_rows
 
@@ -138,9 +139,9 @@ class StaleSynchronous(EqualSplit):
     def comm_hook(self, model: nn.Module) -> "CommHook":
         """The stale-gradient hook and its in-flight steps, keyed by `model`'s parameter names.
         No state for DDP to hand it: the hook's object holds everything."""
-        names = {id(p): name for name, p in getattr(model, "module", model).named_parameters()}
         runtime = self.runtime
-        self.stale = StaleGradients(self.staleness, runtime.world_size, names, runtime.device)
+        self.stale = StaleGradients(
+            self.staleness, runtime.world_size, parameter_names(model), runtime.device)
         return None, self.stale.hook
 
     def has_gradients(self) -> bool:

@@ -49,6 +49,12 @@ def wire_metrics(wire_bytes: float, plain_bytes: float, steps: int) -> dict[str,
     }
 
 
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in the model DDP wraps: state kept by name survives DDP's
+    re-bucketing (after the first step of every run) and restores into any bucket layout."""
+    return {id(p): name for name, p in getattr(model, "module", model).named_parameters()}
+
+
 class CommHookCompression:
     """Base of the options that are DDP comm hooks; a subclass writes `hook(state, bucket)`."""
 
@@ -62,12 +68,15 @@ class CommHookCompression:
         self.wire_bytes = 0.0  # by the hook's collectives
         self.plain_bytes = 0.0  # what plain all-reduce of the buckets DDP gave the hook sends
         self.synced_steps = 0  # backward passes whose gradients reached the hook
+        self.names: dict[int, str] = {}  # id(parameter) -> name, once registered
+        self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
 
     def comm_hook(self, model: nn.Module) -> CommHook:
         """(state, hook) for `model`'s DDP: the subclass's hook, counting the plain bytes."""
         if not hasattr(model, "register_comm_hook"):
             raise TypeError(f"{type(self).__name__} needs a DDP model, got {type(model).__name__}")
         self.world_size = dist.get_world_size(model.process_group)
+        self.names = parameter_names(model)
         return self.hook_state(model), self._measured
 
     def hook_state(self, model: nn.Module) -> object:
@@ -78,7 +87,7 @@ class CommHookCompression:
         raise NotImplementedError
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
-        pass
+        self.grad_scale = grad_scale
 
     def end_step(self, applied: bool) -> None:
         pass

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from mgpu.compression import CommHook
 from mgpu.compression.commhook import CommHookCompression
 from mgpu.errors import ConfigError
 
@@ -76,21 +74,11 @@ class OneBit(CommHookCompression):
             raise ConfigError(f"compression.warmup_steps={warmup_steps}: must be >= 0")
         self.warmup_steps = warmup_steps
         self.step = 0  # synchronised steps so far (resumes with the residuals)
-        self.names: dict[int, str] = {}  # id(parameter) -> name
         # Residuals per parameter, unscaled, so they survive DDP re-bucketing; each is a view
         # into the flat residual of the bucket that holds the parameter now.
         self.residuals: dict[str, torch.Tensor] = {}
         self.flat: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket -> (names, flat)
-        self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residual, its next value)
-
-    def comm_hook(self, model: nn.Module) -> CommHook:
-        module = getattr(model, "module", model)
-        self.names = {id(p): name for name, p in module.named_parameters()}
-        return super().comm_hook(model)
-
-    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
-        self.grad_scale = grad_scale
 
     def end_step(self, applied: bool) -> None:
         """Keep the step's new residuals if its update was applied; else drop them."""

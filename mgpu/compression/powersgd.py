@@ -72,7 +72,6 @@ class PowerSGD(CommHookCompression):
             warm_start=warm_start,
         )
         self.state: PowerSGDState | None = None
-        self.names: dict[int, str] = {}  # id(parameter) -> name
         self.shapes: dict[str, torch.Size] = {}
         # bucket index -> (its parameters' names, the step its hook last ran in)
         self.layouts: dict[int, tuple[tuple[str, ...], int]] = {}
@@ -80,22 +79,17 @@ class PowerSGD(CommHookCompression):
         # {"error": {name: values}, "q": {name: Q factor, flat}}
         self.by_name: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
         self.steps = 0  # synchronised steps of this process
-        self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
         # bucket index -> (error memory, copy of Q memory) before this step, None where absent
         self.before: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
     def comm_hook(self, model: nn.Module) -> CommHook:
         module = getattr(model, "module", model)
-        self.names = {id(p): name for name, p in module.named_parameters()}
         self.shapes = {name: p.shape for name, p in module.named_parameters()}
         return super().comm_hook(model)
 
     def hook_state(self, model: nn.Module) -> PowerSGDState:
         self.state = PowerSGDState(process_group=model.process_group, **self.settings)
         return self.state
-
-    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
-        self.grad_scale = grad_scale
 
     def end_step(self, applied: bool) -> None:
         """A skipped step leaves the memories as they were before it."""
