@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from mgpu import checkpoint, launch, tracking, worker
-from mgpu.config import GROUPS, Job, build, prepare
+from mgpu.config import GROUPS, Job, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
@@ -41,22 +41,22 @@ def launch_one_job(cfg: DictConfig) -> float:
     choices = {g: str(o) for g, o in hydra_cfg.runtime.choices.items() if g in tagged and o}
     overrides = list(hydra_cfg.overrides.task)
     torchrun = launch.torchrun_world()
-    job = prepare(cfg, torch.cuda.device_count(), torchrun)
-    task = build(job.task)
+    job, options = prepare(cfg, torch.cuda.device_count(), torchrun)
     if torchrun:
-        summary = worker.main_under_torchrun(job, choices, overrides)
-        return summary[task.objective]
+        summary = worker.main_under_torchrun(job, options, choices, overrides)
+        return summary[options.task.objective]
 
     uri = job.tracking.uri
-    env = build(job.network).prepare_node(Path(job.output_dir))
+    env = options.network.prepare_node(Path(job.output_dir))
     run_id = None
     if job.tracking.enabled:
-        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job))
+        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
         run_id = resumed or tracking.start_job_run(job, choices, overrides)
         if not resumed:
             tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
     try:
-        with system_metrics(job, run_id):  # sampled here, off the training ranks
+        # Sampled here, off the training ranks.
+        with system_metrics(job.tracking, job.monitor.interval_s, run_id):
             results = launch.launch(job, run_id, env)
     except BaseException as e:
         failed = isinstance(e, ChildFailedError)
@@ -69,8 +69,8 @@ def launch_one_job(cfg: DictConfig) -> float:
     summary = results[min(results)]
     if run_id:
         tracking.finish_run(uri, run_id, "FINISHED")
-    report(job, run_id, summary, task.summary_line(summary))
-    return summary[task.objective]
+    report(job, run_id, summary, options.task.summary_line(summary))
+    return summary[options.task.objective]
 
 
 def report(job: Job, run_id: str | None, summary: dict[str, float], headline: str) -> None:

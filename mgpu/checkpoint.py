@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from mgpu.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import CheckpointConf, Job
     from mgpu.runtime import Runtime
     from mgpu.trainer import Trainer
 
@@ -163,18 +163,18 @@ def check_checkpoint(job: Job) -> Job:
     return job
 
 
-def resume_source(job: Job, report: bool = True) -> Path | None:
+def resume_source(cfg: CheckpointConf, resume: str, report: bool = True) -> Path | None:
     """The checkpoint a (re)started run loads: the newest valid one in `checkpoint.dir`, else
     the one `resume=<path>` names, else none. Restarted worker groups land here too."""
-    newest = newest_valid(Path(job.checkpoint.dir), report)
+    newest = newest_valid(Path(cfg.dir), report)
     if newest is not None:
         return newest
-    return Path(job.resume) if job.resume not in ("auto", "none") else None
+    return Path(resume) if resume not in ("auto", "none") else None
 
 
-def resumed_run_id(job: Job) -> str | None:
-    """The MLflow run of the checkpoint this job resumes from, so it continues that run."""
-    source = resume_source(job, report=False)  # rank 0 reports what it skips
+def resumed_run_id(cfg: CheckpointConf, resume: str) -> str | None:
+    """The MLflow run of the checkpoint a job resumes from, so it continues that run."""
+    source = resume_source(cfg, resume, report=False)  # rank 0 reports what it skips
     return manifest(source).get("run_id") if source else None
 
 
@@ -328,9 +328,10 @@ def apply_train_state(trainer: Trainer, state: dict[str, Any]) -> int:
 class Checkpointer:
     """Saves on schedule (sync or async), commits on rank 0, restores at start-up."""
 
-    def __init__(self, job: Job, runtime: Runtime, run_id: str | None) -> None:
-        cfg = job.checkpoint
-        self.job, self.runtime, self.run_id = job, runtime, run_id
+    def __init__(
+        self, cfg: CheckpointConf, resume: str, runtime: Runtime, run_id: str | None
+    ) -> None:
+        self.cfg, self.resume, self.runtime, self.run_id = cfg, resume, runtime, run_id
         self.root = Path(cfg.dir)
         self.every, self.keep_last, self.async_save = (
             cfg.every_steps, cfg.keep_last, cfg.async_save)
@@ -413,7 +414,7 @@ class Checkpointer:
 
     def restore(self, trainer: Trainer) -> int:
         """Load the checkpoint to resume from (rank 0 picks it); returns its step, or 0."""
-        found = resume_source(self.job) if self.runtime.is_main else None
+        found = resume_source(self.cfg, self.resume) if self.runtime.is_main else None
         [source] = self._shared([str(found) if found else None])
         if source is None:
             return 0

@@ -5,9 +5,10 @@ composes `conf/config.yaml` against an editable copy of them (`hydra_schema`), s
 keys and wrong types fail at composition. Group nodes (strategy, model, ...) have no dataclass
 of their own: the constructor of their `_target_` is their schema, checked by `check_group`,
 and they stay plain dicts of its arguments. `prepare` resolves the config once into the `Job`
-every worker gets (pickled), then runs the cross-group rules (`mgpu.support`, from what each
-option declares) and each option's own checks on it. A misspelt field is an AttributeError
-where it is read, in the parent, before anything starts.
+every worker gets (pickled), builds the options (`Options`: once per process, here and in each
+worker), then runs the cross-group rules (`mgpu.support`, from what each option declares) and
+each option's own checks on them. A misspelt field is an AttributeError where it is read, in
+the parent, before anything starts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import inspect
 import logging
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mgpu import support
 from mgpu.checkpoint import check_checkpoint
 from mgpu.errors import ConfigError
-from mgpu.options import import_target
+from mgpu.options import build, import_target
 
 GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
@@ -356,8 +358,41 @@ def check_straggler(job: Job) -> None:
         raise ConfigError(f"straggler.jitter_s={jitter}: must be >= 0")
 
 
-def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] | None) -> Job:
-    """Validate the composed config and resolve it once into the `Job` workers receive.
+@dataclass(frozen=True)
+class Options:
+    """The job's group options, built once per process by `Options.of`: in the parent, so
+    each option's own checks run before launch, and in each worker, to train with. The model
+    is built last, by `model(...)`, once the data has told its input shape."""
+
+    strategy: Any
+    precision: Any
+    compression: Any
+    network: Any
+    balance: Any
+    data: Any
+    optim: Any
+    task: Any
+    model_node: dict[str, Any]
+
+    @classmethod
+    def of(cls, nodes: Job | Mapping[str, Any]) -> Options:
+        """Every group option of `nodes` (a `Job`, or the checked group nodes before one is
+        typed), built through `build`."""
+        node = (lambda g: getattr(nodes, g)) if isinstance(nodes, Job) else nodes.__getitem__
+        built = {g: build(node(g)) for g in GROUPS if g != "model"}
+        return cls(**built, model_node=node("model"))
+
+    def model(self, **runtime_args: Any) -> Any:
+        """The configured model, with the arguments only a worker knows (`input_shape`,
+        `num_classes`)."""
+        return build(self.model_node, **runtime_args)
+
+
+def prepare(
+    cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] | None
+) -> tuple[Job, Options]:
+    """Validate the composed config and resolve it once into the `Job` workers receive, with
+    the options this process built to check it.
 
     `torchrun_world` is (world size, local world size) when torchrun started this process.
     """
@@ -372,8 +407,8 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
     check_root_schema(values)
     check_root(values)
 
-    settings = {g: build(values[g]) for g in GROUPS if g != "model"}
-    fixed = getattr(settings["strategy"], "world_size", None)
+    options = Options.of(values)
+    fixed = getattr(options.strategy, "world_size", None)
     if torchrun_world:
         world_size, nproc = torchrun_world
     else:
@@ -385,24 +420,17 @@ def prepare(cfg: DictConfig, cuda_devices: int, torchrun_world: tuple[int, int] 
     values["tracking"]["uri"] = resolve_tracking_uri(values["tracking"]["uri"])
     job = typed(Job, values)
 
-    support.check(job, settings)  # options of different groups that cannot run together
-    if not getattr(settings["balance"], "uneven", False):  # uneven splits check their own batch
+    support.check(job, options)  # options of different groups that cannot run together
+    if not options.balance.uneven:  # uneven splits check their own batch
         check_batch(job)
     check_fault(job)
     check_monitor(job)
     check_straggler(job)
-    for obj in settings.values():
-        if hasattr(obj, "validate"):
-            obj.validate(job)
-    return check_checkpoint(job)
-
-
-def build(node: dict[str, Any], **runtime_args: Any) -> Any:
-    """The object a group node describes: its `_target_` called with the node's arguments and
-    the `runtime_args` only a worker knows (a model's input shape). The one way mgpu builds
-    options, in the parent (so their own checks run before launch) and in each worker."""
-    kwargs = {k: v for k, v in node.items() if k != "_target_"}
-    return import_target(node["_target_"])(**kwargs, **runtime_args)
+    for group in GROUPS:
+        option = getattr(options, group, None)
+        if hasattr(option, "validate"):
+            option.validate(job, options)
+    return check_checkpoint(job), options
 
 
 def resolve_tracking_uri(uri: str | None) -> str:

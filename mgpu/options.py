@@ -2,7 +2,8 @@
 
 `_target_` is the registry: an option is a YAML file in conf/<group>/ naming its class, and a
 user's own class plugs in the same way. These lookups turn a class back into the option name a
-user writes (for messages) and list a group's options (for the support matrix).
+user writes (for messages) and list a group's options (for the support matrix). `build` is the
+one way an option is made from its node.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def import_target(path: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"_target_={path}: cannot import it ({e})") from None
+
+
+def build(node: dict[str, Any], **runtime_args: Any) -> Any:
+    """The object a group node describes: its `_target_` called with the node's arguments and
+    the `runtime_args` only a worker knows (a model's input shape). A run's options are made
+    through `mgpu.config.Options`, once per process; the support matrix makes conf/'s."""
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    return import_target(node["_target_"])(**kwargs, **runtime_args)
 
 
 def conf_nodes(group: str) -> dict[str, dict]:

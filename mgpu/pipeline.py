@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,9 +22,6 @@ from mgpu.errors import ConfigError
 from mgpu.monitor.timing import clock_for
 from mgpu.precision.padding import unpad_state_dict
 
-if TYPE_CHECKING:
-    from mgpu.config import Job
-
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -41,10 +37,12 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 
 
-def check_pipeline(job: Job, schedule: str, microbatches: int, pp: int, dp: int) -> None:
+def check_pipeline(
+    global_batch: int, schedule: str, microbatches: int, pp: int, dp: int
+) -> None:
     """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch);
     those it puts on other groups (no loss scaling, no grad_accum) are in `mgpu.support`."""
-    local_batch = job.data["batch_size"] // dp
+    local_batch = global_batch // dp
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
     if microbatches < pp:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mgpu.errors import ConfigError
-from mgpu.options import conf_nodes, import_target, option_name
+from mgpu.options import build, conf_nodes, import_target, option_name
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 #: The groups (and the one root key) whose combinations the rules and the matrix cover.
 AXES = ("strategy", "precision", "compression", "balance", "model", "grad_accum")
@@ -67,10 +67,9 @@ def conf_options(group: str, settings: dict[str, dict] | None = None) -> list[Op
     settings objects for the groups that have them, the class itself for a model."""
     options = []
     for name, node in conf_nodes(group).items():
-        kwargs = {**node, **(settings or {}).get(name, {})}
-        target = import_target(kwargs.pop("_target_"))
-        options.append(Option(group, f"{group}={name}", target if group == "model" else
-                              target(**kwargs)))
+        node = {**node, **(settings or {}).get(name, {})}
+        made = import_target(node["_target_"]) if group == "model" else build(node)
+        options.append(Option(group, f"{group}={name}", made))
     return options
 
 
@@ -222,10 +221,11 @@ def refusal(chosen: dict[str, Option]) -> str | None:
     return None
 
 
-def check(job: Job, settings: dict[str, Any]) -> None:
+def check(job: Job, options: Options) -> None:
     """ConfigError naming both keys where the job's options cannot run together (parent)."""
     chosen = {
-        group: Option(group, option_name(group, getattr(job, group)["_target_"]), settings[group])
+        group: Option(group, option_name(group, getattr(job, group)["_target_"]),
+                      getattr(options, group))
         for group in ("strategy", "precision", "compression", "balance")
     }
     model = import_target(job.model["_target_"])

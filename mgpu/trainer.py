@@ -1,4 +1,4 @@
-"""Run: assembles the torch runtime on one rank from the resolved config, then trains it."""
+"""Trainer: assembles the torch runtime on one rank from the resolved job, then trains it."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
 from mgpu.compression import CommHook, Compression
-from mgpu.config import build
+from mgpu.config import Options
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
 from mgpu.meter import StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
+from mgpu.monitor.mfu import MFU
 from mgpu.parallel import parallelize
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
@@ -39,7 +40,7 @@ from mgpu.strategy import Strategy
 from mgpu.tracking import MetricLogger
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import EvalConf, FaultConf, Job, TrainConf
 
 log = logging.getLogger("mgpu.trainer")
 
@@ -64,7 +65,10 @@ def one_comm_hook(*hooks: CommHook | None) -> CommHook | None:
 
 @dataclass
 class Trainer:
-    job: Job
+    train_cfg: TrainConf
+    eval_cfg: EvalConf
+    fault_cfg: FaultConf
+    global_batch: int
     runtime: Runtime
     model: nn.Module
     precision: Precision
@@ -81,25 +85,25 @@ class Trainer:
     start_step: int = 0  # the step of the checkpoint this run resumed from
 
     @classmethod
-    def build(cls, job: Job, runtime: Runtime, run_id: str | None) -> Trainer:
+    def build(
+        cls, job: Job, runtime: Runtime, run_id: str | None, options: Options | None = None
+    ) -> Trainer:
         """Data → model → precision → the strategy's plan → its mesh → the model laid out by
         it → compression and balance → DDP's comm hook → optimizer → tracking → checkpointer,
-        then the state of the checkpoint to resume from, if any."""
+        then the state of the checkpoint to resume from, if any.
+
+        `options` are the job's options as the process built them once (`start_task`); a
+        test or script that starts here gets them built from `job`."""
+        options = options or Options.of(job)
         torch.manual_seed(job.seed)  # same initial weights on every rank
-        data = build(job.data)
+        data, precision, strategy = options.data, options.precision, options.strategy
         train_set, val_set = data.splits(job.seed)
-        model = build(
-            job.model, input_shape=data.input_shape, num_classes=data.num_classes
-        )
-        precision = build(job.precision)
+        model = options.model(input_shape=data.input_shape, num_classes=data.num_classes)
         model = precision.prepare(model)
-        strategy = build(job.strategy)
         plan = strategy.plan(runtime.world_size)
         mesh = plan.device_mesh(runtime.device)  # the one mesh: every step below slices it
         # Pipeline split, then on each stage TP → activation checkpointing → FSDP2 or DDP.
-        layout = parallelize(
-            model, plan, mesh, runtime.device, precision, build(job.network)
-        )
+        layout = parallelize(model, plan, mesh, runtime.device, precision, options.network)
         strategy.use(layout)  # the step, evaluation and export run on this layout
         model = layout.model
         precision.attach(model, runtime.device)
@@ -108,12 +112,16 @@ class Trainer:
         # From here on each replica draws its own dropout masks; ranks that share a replica (its
         # tp and pp peers) keep drawing alike, as their replicated activations need.
         torch.manual_seed(replica_seed(job.seed, data_runtime.rank))
-        compression = build(job.compression)
-        balance = build(job.balance)
+        compression, balance = options.compression, options.balance
         local_batch = balance.local_batch_size(
             data.batch_size, data_runtime.rank, data_runtime.world_size)
-        monitor = Monitor(job, runtime, run_id, data, precision, local_batch)
-        balance.attach(model, data_runtime, job)
+        mfu = None
+        if job.monitor.enabled:
+            mfu = MFU.for_run(options.model, data, runtime.device, precision, runtime.world_size)
+        monitor = Monitor(job.monitor, runtime, run_id, job.tracking.uri,
+                          job.train.warmup_steps, local_batch, mfu)
+        balance.attach(model, data_runtime, data.batch_size, job.train.grad_accum,
+                       job.straggler, job.seed)
         # DDP takes one comm hook: at most one option owns it (a compression other than none,
         # or balance=ssp; mgpu.support refuses both). It is registered here and nowhere else,
         # timed where the monitor times communication (only a DDP model takes a hook).
@@ -122,14 +130,15 @@ class Trainer:
             hook = monitor.timed(hook)
         if hook is not None:
             model.register_comm_hook(*hook)
-        optimizer, scheduler = strategy.build_optimizer(
-            build(job.optim), model, job.train.steps
-        )
+        optimizer, scheduler = strategy.build_optimizer(options.optim, model, job.train.steps)
         tracker = None
         if runtime.is_main and run_id:
             tracker = MetricLogger(job.tracking.uri, run_id)
         trainer = cls(
-            job=job,
+            train_cfg=job.train,
+            eval_cfg=job.eval,
+            fault_cfg=job.fault,
+            global_batch=data.batch_size,
             runtime=runtime,
             model=model,
             precision=precision,
@@ -142,7 +151,7 @@ class Trainer:
             val_loader=EvalBatches(val_set, job.eval.batch_size, data_runtime),
             tracker=tracker,
             monitor=monitor,
-            checkpointer=Checkpointer(job, runtime, run_id),
+            checkpointer=Checkpointer(job.checkpoint, job.resume, runtime, run_id),
         )
         trainer.start_step = trainer.checkpointer.restore(trainer)
         if trainer.start_step:
@@ -154,11 +163,11 @@ class Trainer:
 
         Log points, evaluation and checkpoints run as stalls of the meter: they are timed on
         their own and left out of the step figures."""
-        cfg = self.job.train
+        cfg = self.train_cfg
         steps, log_every = cfg.steps, cfg.log_every
-        eval_every = self.job.eval.every_steps
-        meter = StepMeter(self.job.data["batch_size"], cfg.warmup_steps, self.runtime.device)
-        fail_at = fault.fault_step(self.job.fault, self.runtime.rank)
+        eval_every = self.eval_cfg.every_steps
+        meter = StepMeter(self.global_batch, cfg.warmup_steps, self.runtime.device)
+        fail_at = fault.fault_step(self.fault_cfg, self.runtime.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.runtime.world_size,
                  self.runtime.device)
         metrics: dict[str, float] = {}
@@ -167,7 +176,7 @@ class Trainer:
             for step in range(self.start_step + 1, steps + 1):
                 at.step = step
                 if step == fail_at:
-                    fault.inject(self.job.fault.mode, self.runtime.rank, step, self.model)
+                    fault.inject(self.fault_cfg.mode, self.runtime.rank, step, self.model)
                 meter.record(step, *self.train_step())
                 self.monitor.end_step(step)
                 if step % log_every == 0 or step == steps:
@@ -194,7 +203,7 @@ class Trainer:
         Returns this rank's loss summed over its samples (detached, on the device) and the
         number of samples: under an uneven split the ranks' losses weigh by their samples.
         """
-        accum = self.job.train.grad_accum
+        accum = self.train_cfg.grad_accum
         timer = self.monitor.timer
         loss_sum, samples = None, 0
         self.balance.before_step()

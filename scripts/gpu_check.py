@@ -253,14 +253,15 @@ def gloo_worker(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=[*QUICK, f"output_dir={out}"])
-    job = prepare(cfg, cuda_devices=1, torchrun_world=(world, world))
+    job, options = prepare(cfg, cuda_devices=1, torchrun_world=(world, world))
     setup_logging(rank, out)
     limit_cpu_threads(world)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        trainer = Trainer.build(job, Runtime(rank, rank, world, world, device, out), None)
+        runtime = Runtime(rank, rank, world, world, device, out)
+        trainer = Trainer.build(job, runtime, None, options)
         summary = trainer.train()
         trainer.close()
         if rank == 0:

@@ -40,7 +40,8 @@ def compose_config(overrides: list[str], hydra: bool = False):
 def make_job(overrides: list[str], output_dir: Path) -> Job:
     """The resolved job the parent would hand to workers (tracking off)."""
     cfg = compose_config([*overrides, f"output_dir={output_dir}", "tracking.enabled=false"])
-    return prepare(cfg, cuda_devices=0, torchrun_world=None)
+    job, _ = prepare(cfg, cuda_devices=0, torchrun_world=None)
+    return job
 
 
 def assert_refused(overrides: list[str], message: str, output_dir: Path) -> str:

@@ -9,7 +9,7 @@ import os
 
 from torch import nn
 
-from mgpu.config import Job, build
+from mgpu.config import Job, Options
 from mgpu.parallel import parallelize
 from mgpu.runtime import Runtime
 
@@ -17,14 +17,13 @@ from mgpu.runtime import Runtime
 class ReportEnv:
     objective = "bucket_bytes_cap"
 
-    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict:
-        network = build(job.network)
-        precision = build(job.precision)
-        strategy = build(job.strategy)
-        plan = strategy.plan(runtime.world_size)
+    def run(
+        self, job: Job, options: Options, runtime: Runtime, run_id: str | None
+    ) -> dict:
+        plan = options.strategy.plan(runtime.world_size)
         layout = parallelize(
-            nn.Linear(4, 2), plan, plan.device_mesh(runtime.device), runtime.device, precision,
-            network
+            nn.Linear(4, 2), plan, plan.device_mesh(runtime.device), runtime.device,
+            options.precision, options.network,
         )
         model = layout.model
         return {

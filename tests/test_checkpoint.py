@@ -8,7 +8,6 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -132,9 +131,8 @@ def commit_checkpoints(root: Path, steps: list[int]) -> None:
     `.metadata` into a partial folder (here one process's save), then rank 0's commit records
     each file's size and SHA-256 in the manifest and renames the folder into place. Picking
     and refusing read only those files, so no process group is needed to test them."""
-    job = SimpleNamespace(checkpoint=CheckpointConf(
-        dir=str(root), every_steps=10, keep_last=len(steps), async_save=False))
-    checkpointer = Checkpointer(job, Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
+    cfg = CheckpointConf(dir=str(root), every_steps=10, keep_last=len(steps), async_save=False)
+    checkpointer = Checkpointer(cfg, "auto", Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
     for step in steps:
         partial = root / f"{step_dir(root, step).name}.partial.{checkpointer.token}"
         dcp.save({"weight": torch.full((64,), float(step))}, checkpoint_id=partial, no_dist=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from mgpu.config import GROUPS, Job, build
+from mgpu.config import GROUPS, Job
+from mgpu.options import build
 from tests.conftest import CONF, assert_refused, compose_config, make_job
 
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]

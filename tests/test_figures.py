@@ -14,9 +14,10 @@ from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import tracking
-from mgpu.config import Job, build
+from mgpu.config import Job
 from mgpu.launch import launch
 from mgpu.model.mlp import MLP
+from mgpu.options import build
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
 from tests.conftest import ROOT, launch_job, make_job, mlflow_runs

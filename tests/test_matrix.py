@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.tensor import DTensor
 
-from mgpu.config import Job, build
+from mgpu.config import Job
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.matrix import BEGIN, END, axis_options, covering_rows, overrides, refused_rows, render
+from mgpu.options import build
 from mgpu.precision.padding import WRAPPER_NAMES
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.support import AXES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -15,11 +16,13 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from mgpu.config import Options
 from mgpu.model.mlp import MLP
 from mgpu.monitor.comm import CommMeter
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
 from mgpu.monitor.prometheus import free_port
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
+from mgpu.options import build
 from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
 
 MLP_CFG = {"_target_": "mgpu.model.mlp.MLP", "hidden": [256, 256]}
@@ -31,7 +34,7 @@ def test_flop_count_of_the_mlp_matches_its_matmuls():
     layers = [(64, 256), (256, 256), (256, 10)]
     weights = sum(i * o for i, o in layers)
     expected = 2 * weights + 2 * weights + 2 * (weights - 64 * 256)
-    assert flops_per_sample(MLP_CFG, (64,), 10) == expected
+    assert flops_per_sample(functools.partial(build, MLP_CFG), (64,), 10) == expected
 
 
 def test_peak_table_picks_dense_peaks_by_name_and_dtype():
@@ -44,8 +47,9 @@ def test_peak_table_picks_dense_peaks_by_name_and_dtype():
 
 
 def test_no_mfu_on_cpu(tmp_path):
-    job = make_job([], tmp_path)
-    assert MFU.for_run(job, None, torch.device("cpu"), None, world_size=2) is None
+    options = Options.of(make_job([], tmp_path))
+    cpu = torch.device("cpu")
+    assert MFU.for_run(options.model, options.data, cpu, options.precision, world_size=2) is None
 
 
 class HalfPrecisionWire:

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from mgpu.config import build
 from mgpu.launch import launch
 from mgpu.network import sysctl, topology
 from mgpu.network.default import DefaultNetwork
 from mgpu.network.topology import Topology
+from mgpu.options import build
 from tests.conftest import CONF, assert_refused, make_job
 
 NETWORKS = sorted(p.stem for p in (CONF / "network").glob("*.yaml"))

@@ -11,9 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mgpu.config import Job, build
+from mgpu.config import Job
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.gpt import GPT
+from mgpu.options import build
 from mgpu.pipeline import Pipeline
 from mgpu.runtime import init_runtime, shutdown
 from tests.conftest import launch_job, make_job

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from mgpu.config import build
 from mgpu.model.gpt import GPT as GPTModel
+from mgpu.options import build
 from mgpu.parallel import recompute_activations
 from tests.conftest import assert_refused, make_job
 from tests.test_ddp import SGD, assert_weights_close

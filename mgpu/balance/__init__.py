@@ -13,7 +13,7 @@ from mgpu.runtime import Runtime
 
 if TYPE_CHECKING:
     from mgpu.compression import CommHook
-    from mgpu.config import Job
+    from mgpu.config import Job, Options, StragglerConf
 
 
 class Balance(Protocol):
@@ -32,14 +32,19 @@ class Balance(Protocol):
     #: The same seed gives bitwise the same run (not so where the split follows measured time).
     deterministic: bool
 
-    def validate(self, job: Job) -> None:
+    def validate(self, job: Job, options: Options) -> None:
         """Raise ConfigError for settings this option cannot run with (parent, before launch)."""
 
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         """Samples this rank takes from each global batch at the start."""
 
-    def attach(self, model: nn.Module, runtime: Runtime, job: Job) -> None:
-        """Set up for the wrapped model: the step clock's hooks, where it runs."""
+    def attach(
+        self, model: nn.Module, runtime: Runtime, global_batch: int, grad_accum: int,
+        straggler: StragglerConf, seed: int,
+    ) -> None:
+        """Set up for the wrapped model, `global_batch` samples per optimizer step in
+        `grad_accum` micro-batches: the step clock's hooks (and the simulated `straggler`),
+        where it runs."""
 
     def comm_hook(self, model: nn.Module) -> CommHook | None:
         """After `attach`: the DDP comm hook this option works through, or None (most options);

@@ -21,7 +21,7 @@ from mgpu.straggler import Straggler
 
 if TYPE_CHECKING:
     from mgpu.compression import CommHook
-    from mgpu.config import Job
+    from mgpu.config import StragglerConf
 
 
 class EqualSplit:
@@ -35,18 +35,20 @@ class EqualSplit:
     def local_batch_size(self, global_batch: int, rank: int, world_size: int) -> int:
         return global_batch // world_size
 
-    def attach(self, model: nn.Module, runtime: Runtime, job: Job) -> None:
-        self.runtime, self.seed = runtime, job.seed
-        self.global_batch = job.data["batch_size"]
-        self.grad_accum = job.train.grad_accum
-        self.sizes = [self.local_batch_size(self.global_batch, r, runtime.world_size)
+    def attach(
+        self, model: nn.Module, runtime: Runtime, global_batch: int, grad_accum: int,
+        straggler: StragglerConf, seed: int,
+    ) -> None:
+        self.runtime, self.seed = runtime, seed
+        self.global_batch, self.grad_accum = global_batch, grad_accum
+        self.sizes = [self.local_batch_size(global_batch, r, runtime.world_size)
                       for r in range(runtime.world_size)]
-        straggler = Straggler(**dataclasses.asdict(job.straggler), rank=runtime.rank, seed=job.seed)
+        delay = Straggler(**dataclasses.asdict(straggler), rank=runtime.rank, seed=seed)
         self.clock = None
-        # Decided from the job, not this rank's straggler: every rank must run the clock, since
-        # its metrics are collectives.
-        if job.straggler.slowdown or job.straggler.jitter_s > 0 or self.measures:
-            self.clock = StepClock(straggler, runtime.device)
+        # Decided from the whole section, not this rank's delay: every rank must run the clock,
+        # since its metrics are collectives.
+        if straggler.slowdown or straggler.jitter_s > 0 or self.measures:
+            self.clock = StepClock(delay, runtime.device)
             self.clock.attach(model)
             self.logged = self.clock.totals()
 

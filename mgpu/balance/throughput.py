@@ -31,7 +31,7 @@ from mgpu.errors import ConfigError
 from mgpu.runtime import gather_rows
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Throughput(EqualSplit):
         self.smoothed: torch.Tensor | None = None
         self.rebalances = 0
 
-    def validate(self, job: Job) -> None:
+    def validate(self, job: Job, options: Options) -> None:
         batch, accum = job.data["batch_size"], job.train.grad_accum
         need = job.launch.world_size * accum
         if batch < need:

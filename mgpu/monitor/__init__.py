@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mlflow.tracking import MlflowClient
@@ -32,7 +31,7 @@ from mgpu.runtime import Runtime, gather_rows
 
 if TYPE_CHECKING:
     from mgpu.compression import CommHook
-    from mgpu.config import Job
+    from mgpu.config import MonitorConf
 
 log = logging.getLogger(__name__)
 
@@ -42,28 +41,27 @@ WINDOW_KEYS = ("compute_before_comm", "allreduce")
 
 class Monitor:
     def __init__(
-        self, job: Job, runtime: Runtime, run_id: str | None, data: Any, precision: Any,
-        local_batch: int,
+        self, cfg: MonitorConf, runtime: Runtime, run_id: str | None, tracking_uri: str,
+        warmup_steps: int, local_batch: int, mfu: MFU | None,
     ) -> None:
-        cfg = job.monitor
-        self.runtime, self.run_id, self.uri = runtime, run_id, job.tracking.uri
+        """The `monitor` section's parts for this rank: `mfu` where the run's model and
+        device have one (`MFU.for_run`), steps before `warmup_steps` left out of the phase
+        figures, `local_batch` samples per step for the exporter."""
+        self.runtime, self.run_id, self.uri = runtime, run_id, tracking_uri
         self.enabled = cfg.enabled
         self.local_batch = local_batch
         self.comm = CommMeter(runtime.device) if self.enabled and runtime.world_size > 1 else None
         self.timer: PhaseTimer | NullTimer = (
-            PhaseTimer(runtime.device, job.train.warmup_steps, self.comm)
+            PhaseTimer(runtime.device, warmup_steps, self.comm)
             if self.enabled else NullTimer()
         )
         self.telemetry = Telemetry(runtime.device, cfg.interval_s) if self.enabled else None
-        self.mfu = (
-            MFU.for_run(job, data, runtime.device, precision, runtime.world_size)
-            if self.enabled else None
-        )
+        self.mfu = mfu if self.enabled else None
         self.exporter = None
         if cfg.prometheus_port is not None:
             self.exporter = Exporter(
                 cfg.prometheus_host, cfg.prometheus_port, runtime.rank,
-                multiprocess_dir(Path(job.output_dir)), serve=runtime.local_rank == 0)
+                multiprocess_dir(runtime.output_dir), serve=runtime.local_rank == 0)
             if self.telemetry:
                 self.telemetry.listeners.append(self.exporter.update_device)
         self.profiler = None

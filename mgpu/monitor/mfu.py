@@ -9,16 +9,12 @@ tensor-core figures from the vendors' data sheets, in TFLOP/s. On CPU there is n
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-
-from mgpu.config import build
-
-if TYPE_CHECKING:
-    from mgpu.config import Job
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +45,12 @@ def peak_flops(device_name: str, dtype: torch.dtype, tf32: bool) -> float | None
     return None
 
 
-def flops_per_sample(model_cfg: dict, input_shape: tuple, num_classes: int) -> float:
-    """Training FLOPs (forward + backward) per sample of the configured model."""
+def flops_per_sample(
+    make_model: Callable[..., nn.Module], input_shape: tuple, num_classes: int
+) -> float:
+    """Training FLOPs (forward + backward) per sample of the model `make_model` builds."""
     with torch.device("meta"):
-        model = build(model_cfg, input_shape=input_shape, num_classes=num_classes)
+        model = make_model(input_shape=input_shape, num_classes=num_classes)
     if hasattr(model, "flops_per_sample"):
         return float(model.flops_per_sample())
     batch = 2
@@ -70,8 +68,12 @@ class MFU:
         self.flops, self.peak, self.world_size = flops, peak, world_size
 
     @classmethod
-    def for_run(cls, job: Job, data, device: torch.device, precision, world_size: int):
-        """The meter for this run, or None (CPU, a GPU or dtype missing from the peak table)."""
+    def for_run(
+        cls, make_model: Callable[..., nn.Module], data, device: torch.device, precision,
+        world_size: int,
+    ) -> MFU | None:
+        """The meter for the model `make_model` builds (`Options.model`) on `data`, or None
+        (CPU, a GPU or dtype missing from the peak table)."""
         if device.type != "cuda":
             return None
         dtype = getattr(precision, "compute_dtype", precision.param_dtype)
@@ -81,7 +83,7 @@ class MFU:
         if peak is None:
             log.warning("no dense peak for %s in %s: train/mfu not logged", name, dtype)
             return None
-        flops = flops_per_sample(job.model, data.input_shape, data.num_classes)
+        flops = flops_per_sample(make_model, data.input_shape, data.num_classes)
         return cls(flops, peak, world_size)
 
     def __call__(self, samples_per_s: float) -> float:

@@ -12,20 +12,22 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import TrackingConf
 
 
 @contextmanager
-def system_metrics(job: Job, run_id: str | None) -> Iterator[None]:
-    """Sample system metrics into the run while the block runs (if the config asks for it)."""
-    if not (job.tracking.system_metrics and run_id):
+def system_metrics(
+    tracking: TrackingConf, interval_s: float, run_id: str | None
+) -> Iterator[None]:
+    """Sample system metrics into the run every `interval_s` while the block runs (if
+    `tracking.system_metrics` asks for it)."""
+    if not (tracking.system_metrics and run_id):
         yield
         return
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     monitor = SystemMetricsMonitor(
-        run_id, sampling_interval=job.monitor.interval_s,
-        tracking_uri=job.tracking.uri,
+        run_id, sampling_interval=interval_s, tracking_uri=tracking.uri,
     )
     monitor.start()
     try:

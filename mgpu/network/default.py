@@ -17,7 +17,7 @@ from mgpu.errors import ConfigError
 from mgpu.network import sysctl, topology
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class DefaultNetwork:
         """The variables this option sets: its NCCL/gloo settings, then the `env` map."""
         return {**self.settings, **self.extra_env}
 
-    def validate(self, job: Job) -> None:
+    def validate(self, job: Job, options: Options) -> None:
         launch = job.launch
         if self.single_node and launch.world_size > launch.nproc_per_node:
             raise ConfigError(

@@ -12,11 +12,11 @@ neighbouring ranks (as torchtitan orders them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mgpu.config import Job, build
 from mgpu.options import import_target
 from mgpu.pipeline import check_pipeline, stages_per_rank
 
@@ -103,21 +103,17 @@ class ParallelPlan:
             return None
         return init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
-    def check(self, job: Job) -> None:
-        """ConfigError where the job's batch, data or model cannot take this plan (parent,
-        before launch); the world size is the strategy's own check, in its own keys."""
+    def check(self, model_node: dict[str, Any], data: Any) -> None:
+        """ConfigError where the data (its batch, its sample shape: nothing is loaded) or the
+        model cannot take this plan (parent, before launch); the world size is the strategy's
+        own check, in its own keys."""
         stages = 1
         if self.pipeline is not None:
             schedule, microbatches = self.pipeline.schedule, self.pipeline.microbatches
-            check_pipeline(job, schedule, microbatches, self.pp, self.dp)
+            check_pipeline(data.batch_size, schedule, microbatches, self.pp, self.dp)
             stages = self.pp * stages_per_rank(schedule)
         if self.tp > 1 or stages > 1:
-            import_target(job.model["_target_"]).check_parallel(
-                job.model, tp=self.tp, pp=stages, sequence_parallel=self.sequence_parallel,
-                input_shape=data_input_shape(job),
+            import_target(model_node["_target_"]).check_parallel(
+                model_node, tp=self.tp, pp=stages, sequence_parallel=self.sequence_parallel,
+                input_shape=tuple(data.input_shape),
             )
-
-
-def data_input_shape(job: Job) -> tuple[int, ...]:
-    """One sample's shape, from the data settings alone (nothing is loaded), for parent checks."""
-    return tuple(build(job.data).input_shape)

@@ -30,7 +30,7 @@ from mgpu.pipeline import Pipeline
 from mgpu.precision.padding import unpad_state_dict
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 #: Optimizer state in DCP's flat layout, every entry keyed by parameter name
 #: (`state.<name>.exp_avg`, `param_groups.<name>.lr`): ranks holding different parameters
@@ -73,10 +73,10 @@ class Strategy(ABC):
     def plan(self, world_size: int) -> ParallelPlan:
         """This strategy's layout of one model over `world_size` ranks."""
 
-    def validate(self, job: Job) -> None:
+    def validate(self, job: Job, options: Options) -> None:
         """Raise ConfigError for settings this strategy cannot run with (parent, before launch):
         what its plan asks of the batch, the data and the model."""
-        self.plan(job.launch.world_size).check(job)
+        self.plan(job.launch.world_size).check(job.model, options.data)
 
     def use(self, layout: Layout) -> None:
         """Run the step, evaluation and export on `layout` (the model `parallelize` made)."""

@@ -16,7 +16,7 @@ from mgpu.parallel import FSDPOptions, ParallelPlan, PipelineOptions
 from mgpu.strategy import Strategy
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 
 class Hybrid(Strategy):
@@ -73,7 +73,7 @@ class Hybrid(Strategy):
             activation_checkpointing=self.activation_checkpointing,
         )
 
-    def validate(self, job: Job) -> None:
+    def validate(self, job: Job, options: Options) -> None:
         world = job.launch.world_size
         if self.dp * self.tp * self.pp != world:
             raise ConfigError(
@@ -81,4 +81,4 @@ class Hybrid(Strategy):
                 f"{self.dp * self.tp * self.pp}: must equal the world size {world} "
                 f"(launch.nproc_per_node x nnodes)"
             )
-        super().validate(job)
+        super().validate(job, options)

@@ -9,7 +9,7 @@ from mgpu.parallel import ParallelPlan
 from mgpu.strategy import Strategy
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 
 class Single(Strategy):
@@ -24,11 +24,11 @@ class Single(Strategy):
     def plan(self, world_size: int) -> ParallelPlan:
         return ParallelPlan(activation_checkpointing=self.activation_checkpointing)
 
-    def validate(self, job: Job) -> None:
+    def validate(self, job: Job, options: Options) -> None:
         if job.launch.world_size != 1:
             raise ConfigError(
                 f"strategy=single runs one process but launch.nproc_per_node="
                 f"{job.launch.nproc_per_node} x nnodes={job.launch.nnodes} gives "
                 f"{job.launch.world_size}; use launch.nproc_per_node=auto or strategy=ddp"
             )
-        super().validate(job)
+        super().validate(job, options)

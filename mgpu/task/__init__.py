@@ -7,14 +7,16 @@ from typing import TYPE_CHECKING, Protocol
 from mgpu.runtime import Runtime
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 
 class Task(Protocol):
     #: The summary key a Hydra sweeper optimises (returned by `python -m mgpu`).
     objective: str
 
-    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(
+        self, job: Job, options: Options, runtime: Runtime, run_id: str | None
+    ) -> dict[str, float]:
         """Do the task on this rank; rank 0's summary reaches the parent."""
 
     def summary_line(self, summary: dict[str, float]) -> str:

@@ -27,7 +27,7 @@ from mgpu.runtime import Runtime
 from mgpu.tracking import MetricLogger
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ class CommBench:
         self.warmup, self.repeats = warmup, repeats
         self.objective = f"commbench/{self.ops[0]}/busbw_peak_GBps"
 
-    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
+    def run(
+        self, job: Job, options: Options, runtime: Runtime, run_id: str | None
+    ) -> dict[str, float]:
         """Every op at every size; rank 0 logs each point (step = size in bytes) and the table."""
         tracker = MetricLogger(job.tracking.uri, run_id) if runtime.is_main and run_id else None
         sizes = message_sizes(self.min_bytes, self.max_bytes, self.factor, runtime.world_size)

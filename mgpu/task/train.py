@@ -8,14 +8,16 @@ from mgpu.runtime import Runtime
 from mgpu.trainer import Trainer
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.config import Job, Options
 
 
 class Train:
     objective = "eval/accuracy"
 
-    def run(self, job: Job, runtime: Runtime, run_id: str | None) -> dict[str, float]:
-        trainer = Trainer.build(job, runtime, run_id)
+    def run(
+        self, job: Job, options: Options, runtime: Runtime, run_id: str | None
+    ) -> dict[str, float]:
+        trainer = Trainer.build(job, runtime, run_id, options)
         try:
             summary = trainer.train()
             trainer.save_weights()
