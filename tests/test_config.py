@@ -4,13 +4,18 @@ input is one clear ConfigError."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from mgpu import config
 from mgpu.config import GROUPS, Job
 from mgpu.options import build
+from mgpu.runtime import Runtime
+from mgpu.trainer import Trainer
 from tests.conftest import CONF, assert_refused, compose_config, make_job
 
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
@@ -124,3 +129,26 @@ def test_every_experiment_preset_composes_and_every_job_of_it_prepares(preset, t
         for key, value in {**common, **own}.items():
             assert dotted(job, key) == value, (preset, key)
 
+
+
+@pytest.mark.dist
+def test_each_process_builds_the_options_once(one_rank_group, tmp_path, monkeypatch):
+    """The parent builds each group's option once to check the job; a worker handed those
+    options builds only the model (whose input shape the data tells), nothing twice."""
+    made: Counter[str] = Counter()
+    real = config.build
+
+    def counting(node: dict, **runtime_args):
+        made[node["_target_"]] += 1
+        return real(node, **runtime_args)
+
+    monkeypatch.setattr(config, "build", counting)
+    cfg = compose_config([f"output_dir={tmp_path}", "tracking.enabled=false",
+                          "launch.nproc_per_node=1", "monitor.enabled=true"])
+    job, options = config.prepare(cfg, cuda_devices=0, torchrun_world=None)
+    groups = [g for g in GROUPS if g != "model"]
+    assert made == Counter(getattr(job, g)["_target_"] for g in groups)
+    made.clear()
+    runtime = Runtime(0, 0, 1, 1, torch.device("cpu"), tmp_path)
+    Trainer.build(job, runtime, None, options).close()
+    assert made == Counter([job.model["_target_"]])
