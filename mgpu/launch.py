@@ -20,7 +20,11 @@ from mgpu.config import Job, parse_nnodes
 
 # Restarted groups on gloo reuse stale peer addresses from the shared rendezvous store
 # (pytorch issue #135712); a fresh store per attempt makes restarts reliable.
-WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# MKL's CPU matrix products may round differently with the alignment of their buffers, which
+# differs between processes: PowerSGD rebuilds each rank's gradient as the product of the same
+# two all-reduced factors, and replicas drifted apart by an ulp. Strict conditional numerical
+# reproducibility makes the same product the same on every rank.
+WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "MKL_CBWR": "AUTO,STRICT"}
 
 
 def torchrun_world() -> tuple[int, int] | None:
