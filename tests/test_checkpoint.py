@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from mgpu.checkpoint import (
     MANIFEST,
@@ -71,6 +71,39 @@ def test_data_position_reshards_without_skipping_or_repeating_a_sample():
     second, state = step_samples(2, 4, state)  # across the epoch boundary
     third, _ = step_samples(1, 2, state)
     assert first + second + third == reference
+
+
+class HeldPerSample(Dataset):
+    """The same samples, not held in tensors: read through a DataLoader, one by one."""
+
+    def __init__(self, data: Dataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.data[index]
+
+
+def test_tensor_data_is_cut_by_index_into_the_batches_a_dataloader_gives():
+    """Uneven shares, accumulation, three epochs and a resume: the direct cut of a tensor data
+    set and the DataLoader over the same samples give equal batches (values and dtypes)."""
+    ids = torch.arange(300)
+    dataset = TensorDataset(ids.float().unsqueeze(1), ids)
+    runtime = Runtime(1, 1, 2, 2, torch.device("cpu"), Path("."))
+    direct = TrainBatches(dataset, [40, 24], 2, runtime, seed=3)
+    loaded = TrainBatches(HeldPerSample(dataset), [40, 24], 2, runtime, seed=3)
+    assert direct.loader is None and loaded.loader is not None
+    for step in range(30):
+        if step == 17:
+            state = direct.state_dict()
+            assert state == loaded.state_dict()
+            direct.load_state_dict(state)
+            loaded.load_state_dict(state)
+        for cut, collated in zip(next(direct), next(loaded), strict=True):
+            assert cut.dtype == collated.dtype
+            assert torch.equal(cut, collated)
 
 
 # ---- resume on real worker groups -----------------------------------------------------------

@@ -1,5 +1,12 @@
 """Data loaders: each rank draws its share of every global batch, in an order fixed by the seed.
 
+A data set held in tensors (a `TensorDataset`, as digits and synthetic are) is cut into
+batches by indexing those tensors with the micro-batch's indices: one gather per tensor, where
+a DataLoader fetches every sample on its own and stacks them again (most of a small model's
+step on CPU). On CUDA such a data set is moved to the device once, when it fits
+`DEVICE_RESIDENT_BYTES`, so a step copies nothing from the host but its indices. Any other
+data set goes through a DataLoader with the same sampler.
+
 A plain DataLoader rather than torchdata's StatefulDataLoader: its state is this rank's
 iterator (micro-batches yielded, to fast-forward, plus per-worker snapshots), which means
 nothing at another world size or split, and where a sampler has a state of its own it only
@@ -11,10 +18,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from mgpu.data.sampler import GlobalOrderSampler
 from mgpu.runtime import Runtime
+
+#: The largest tensor data set moved to a CUDA device whole (else batches are copied per step).
+DEVICE_RESIDENT_BYTES = 1 << 30
+
+
+def resident_tensors(dataset: Dataset, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """The tensors of a `TensorDataset`, where batches can be cut from them directly: on
+    `device` when they fit `DEVICE_RESIDENT_BYTES`, else where they are (None: another kind of
+    data set, read through a DataLoader)."""
+    if not isinstance(dataset, TensorDataset):
+        return None
+    tensors = dataset.tensors
+    if device.type == "cuda" and sum(t.nbytes for t in tensors) <= DEVICE_RESIDENT_BYTES:
+        tensors = tuple(t.to(device) for t in tensors)
+    return tensors
 
 
 class TrainBatches:
@@ -36,8 +58,18 @@ class TrainBatches:
         self.runtime = runtime
         self.sampler = GlobalOrderSampler(len(dataset), sizes, grad_accum, runtime.rank, seed)
         self.on_cuda = runtime.device.type == "cuda"
-        self.loader = DataLoader(dataset, batch_sampler=self.sampler, pin_memory=self.on_cuda)
-        self.iterator = iter(self.loader)
+        self.tensors = resident_tensors(dataset, runtime.device)
+        self.loader = None
+        if self.tensors is None:
+            self.loader = DataLoader(dataset, batch_sampler=self.sampler, pin_memory=self.on_cuda)
+        self.iterator = self.batches()
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The micro-batches from the sampler's position on, as they come from the data."""
+        if self.loader is not None:
+            return iter(self.loader)
+        return (tuple(t[indices.to(t.device)] for t in self.tensors)
+                for indices in self.sampler.index_batches())
 
     def __iter__(self) -> TrainBatches:
         return self
@@ -56,7 +88,7 @@ class TrainBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.set_position(state["epoch"], state["position"])
-        self.iterator = iter(self.loader)  # nothing of the old position is left in flight
+        self.iterator = self.batches()  # nothing of the old position is left in flight
 
 
 # A label no prediction equals and F.cross_entropy leaves out (its default ignore_index).

@@ -59,10 +59,14 @@ class GlobalOrderSampler(Sampler[list[int]]):
         start = self.position + sum(self.sizes[: self.rank])
         return self.epoch_order()[start : start + self.sizes[self.rank]]
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def index_batches(self) -> Iterator[torch.Tensor]:
+        """This rank's micro-batches as index tensors, endless, from the position on."""
         while True:
             share = self.rank_share()
             # The global batch counts as consumed once its first micro-batch is fetched: between
             # steps the position is where the next step starts.
             self.set_position(self.epoch, self.position + self.global_batch)
-            yield from (micro.tolist() for micro in share.tensor_split(self.grad_accum))
+            yield from share.tensor_split(self.grad_accum)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (micro.tolist() for micro in self.index_batches())
