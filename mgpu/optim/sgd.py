@@ -1,4 +1,4 @@
-"""SGD with momentum."""
+"""SGD with momentum, fused by default like AdamW (one kernel for every parameter)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class SGD:
         weight_decay: float = 0.0,
         schedule: str = "cosine",
         warmup_steps: int = 0,
+        fused: bool = True,
     ) -> None:
         if lr <= 0:
             raise ConfigError(f"optim.lr={lr}: must be > 0")
@@ -26,9 +27,11 @@ class SGD:
         check_schedule(schedule, warmup_steps)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.schedule, self.warmup_steps = schedule, warmup_steps
+        self.fused = fused
 
     def build(self, params: Iterable[torch.nn.Parameter], total_steps: int):
         optimizer = torch.optim.SGD(
-            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
+            fused=self.fused,
         )
         return optimizer, lr_schedule(optimizer, self.schedule, self.warmup_steps, total_steps)
