@@ -42,7 +42,8 @@ ui: install ## serve the MLflow UI for ./mlflow.db on http://127.0.0.1:$(MLFLOW_
 		--port $(MLFLOW_PORT) --workers 1 \
 		--backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}
 
-bench: install ## benchmarks, side by side in one run; writes bench-report.json
+bench: install ## benchmarks, side by side in one run (with the peers in the bench extra); writes bench-report.json
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) scripts/bench.py --out bench-report.json $(ARGS)
 
 gpu-check: install ## the CUDA paths in short real runs, as a table (< 5 min; says so without CUDA)
