@@ -17,6 +17,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import worker
 from mgpu.config import Job, parse_nnodes
+from mgpu.meter import JOB_PID_ENV
 
 # Restarted groups on gloo reuse stale peer addresses from the shared rendezvous store
 # (pytorch issue #135712); a fresh store per attempt makes restarts reliable.
@@ -59,7 +60,9 @@ def launch(job: Job, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
         start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job.output_dir, "logs", "elastic")),
     )
-    with environment({**WORKER_ENV, **flight_recorder_env(job.output_dir)}):
+    # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
+    job_env = {JOB_PID_ENV: str(os.getpid())}
+    with environment({**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}):
         return elastic_launch(config, worker.main)(job, run_id, env)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -10,9 +11,61 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+#: Set by the launcher for its workers: the pid of the process the job's processes run under.
+JOB_PID_ENV = "MGPU_JOB_PID"
+
+
+class OtherLoad:
+    """How much of this machine's CPU other processes used over a window: the machine's busy
+    CPU time minus that of the job's own processes (the launcher and every process under it),
+    as a fraction of all cores over the window's wall time. 0 on a quiet machine; 0.5 on a
+    2-core machine means another process held one core throughout, and throughput figures of
+    that window are not comparable with a quiet run's."""
+
+    def __init__(self) -> None:
+        root = int(os.environ.get(JOB_PID_ENV, os.getppid()))  # torchrun: its agent
+        try:
+            self.root = psutil.Process(root)
+        except psutil.NoSuchProcess:
+            self.root = psutil.Process()
+        self.cores = psutil.cpu_count() or 1
+        self.started: tuple[float, float, float] | None = None
+
+    def job_cpu_s(self) -> float:
+        """CPU seconds of the job's processes alive now (the launcher and those under it)."""
+        total = 0.0
+        for process in [self.root, *self.root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:  # ended since it was listed
+                continue
+            total += times.user + times.system
+        return total
+
+    @staticmethod
+    def busy_cpu_s() -> float:
+        """CPU seconds every core spent busy since boot (guest time is within user time)."""
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
+        return sum(t) - idle - guest  # sum(t) counts guest twice: in user and on its own
+
+    def start(self) -> None:
+        self.started = (time.perf_counter(), self.busy_cpu_s(), self.job_cpu_s())
+
+    def fraction(self) -> float | None:
+        """Other processes' share of the machine since `start` (None before it)."""
+        if self.started is None:
+            return None
+        wall, busy, own = self.started
+        wall = time.perf_counter() - wall
+        other = (self.busy_cpu_s() - busy) - (self.job_cpu_s() - own)
+        return max(0.0, other / (wall * self.cores)) if wall > 0 else None
 
 
 @dataclass
@@ -34,7 +87,14 @@ class StepMeter:
     adds no device synchronisation.
     """
 
-    def __init__(self, global_batch: int, warmup_steps: int, device: torch.device) -> None:
+    def __init__(
+        self, global_batch: int, warmup_steps: int, device: torch.device,
+        other_load: OtherLoad | None = None,
+    ) -> None:
+        """`other_load`, where given, is measured over the steps timed after warm-up."""
+        self.other_load = other_load
+        if other_load and warmup_steps == 0:
+            other_load.start()
         self.global_batch = global_batch
         self.warmup_steps = warmup_steps
         self.device = device
@@ -51,6 +111,8 @@ class StepMeter:
         now = time.perf_counter()
         self._add(now - self.last, measured=step > self.warmup_steps)
         self.last = now
+        if step == self.warmup_steps and self.other_load:
+            self.other_load.start()
         self.window_losses.append(loss_sum)
         self.window_samples += samples
 
@@ -106,12 +168,16 @@ class StepMeter:
         if not self.durations:
             return {}
         p50, p90, p99 = np.percentile(self.durations, [50, 90, 99])
-        return {
+        figures = {
             "train/samples_per_s": self.global_batch * len(self.durations) / sum(self.durations),
             "time/step_p50_s": float(p50),
             "time/step_p90_s": float(p90),
             "time/step_p99_s": float(p99),
         }
+        other = self.other_load.fraction() if self.other_load else None
+        if other is not None:
+            figures["host/other_cpu_fraction"] = other
+        return figures
 
 
 def synchronize(device: torch.device) -> None:

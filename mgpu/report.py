@@ -28,8 +28,20 @@ PARENT_TAG = "mlflow.parentRunId"
 CONFIG_COLUMNS = ("strategy", "compression", "precision", "launch.world_size")
 METRIC_COLUMNS = (
     "train/samples_per_s", "eval/accuracy", "eval/loss", "train/loss", "time/step_p50_s",
-    "comm/allreduce_s", "comm/bytes_per_step", "train/mfu",
+    "comm/allreduce_s", "comm/bytes_per_step", "train/mfu", "host/other_cpu_fraction",
 )
+#: A run whose timed steps shared the machine with more than this much other CPU load
+#: (`host/other_cpu_fraction`) is marked contended: its speed is not comparable with a quiet run's.
+CONTENDED_ABOVE = 0.10
+
+
+def timing(run: Run) -> str:
+    """'contended' where other processes used the machine while the run was timed, else
+    'quiet' ('' where the run did not measure it)."""
+    other = run.data.metrics.get("host/other_cpu_fraction")
+    if other is None:
+        return ""
+    return "contended" if other > CONTENDED_ABOVE else "quiet"
 PLOT_GROUPS = ("strategy", "compression", "precision")
 
 
@@ -77,11 +89,13 @@ def build_table(parent: Run, runs: list[Run]) -> tuple[list[str], list[list]]:
     config = list(dict.fromkeys([*swept, *CONFIG_COLUMNS]))
     config = [k for k in config if any(config_value(r, k) for r in runs)]
     metrics = [m for m in METRIC_COLUMNS if any(m in r.data.metrics for r in runs)]
-    header = ["job", "status", *config, *metrics]
+    timed = ["timing"] if "host/other_cpu_fraction" in metrics else []
+    header = ["job", "status", *config, *metrics, *timed]
     rows = [
         [" ".join(f"{k}={config_value(r, k)}" for k in swept) or r.info.run_name, r.info.status,
          *(config_value(r, k) for k in config),
-         *(r.data.metrics.get(m, "") for m in metrics)]
+         *(r.data.metrics.get(m, "") for m in metrics),
+         *(timing(r) for _ in timed)]
         for r in runs
     ]
     return header, rows

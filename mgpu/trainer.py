@@ -30,7 +30,7 @@ from mgpu.checkpoint import Checkpointer
 from mgpu.compression import CommHook, Compression
 from mgpu.config import Options
 from mgpu.data.loader import IGNORED_LABEL, EvalBatches
-from mgpu.meter import StepMeter, peak_memory_bytes
+from mgpu.meter import OtherLoad, StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.monitor.mfu import MFU
 from mgpu.parallel import parallelize
@@ -166,7 +166,9 @@ class Trainer:
         cfg = self.train_cfg
         steps, log_every = cfg.steps, cfg.log_every
         eval_every = self.eval_cfg.every_steps
-        meter = StepMeter(self.global_batch, cfg.warmup_steps, self.runtime.device)
+        # The machine's contention is measured where its figures are logged: rank 0.
+        other_load = OtherLoad() if self.runtime.is_main else None
+        meter = StepMeter(self.global_batch, cfg.warmup_steps, self.runtime.device, other_load)
         fail_at = fault.fault_step(self.fault_cfg, self.runtime.rank)
         log.info("training %d steps on %d rank(s), %s", steps, self.runtime.world_size,
                  self.runtime.device)

@@ -21,6 +21,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 import torch
 
 from mgpu.monitor.prometheus import free_port
@@ -50,6 +51,18 @@ def run_peer(script: str, steps: int, warmup: int, nproc: int = 2) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def wait_for_quiet(busy_below: float = 0.15, max_wait_s: float = 120.0) -> dict:
+    """Wait until the machine's CPU is less than `busy_below` busy over 2 s (at most
+    `max_wait_s`); returns what was seen, so a round that ran contended says so."""
+    started = time.perf_counter()
+    while True:
+        busy = psutil.cpu_percent(interval=2.0) / 100
+        waited = time.perf_counter() - started
+        if busy < busy_below or waited >= max_wait_s:
+            return {"busy_before": round(busy, 3), "waited_s": round(waited, 1),
+                    "load_average": os.getloadavg()[0]}
+
+
 def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -69,11 +82,10 @@ def bench_overhead(rounds: int, workdir: Path) -> dict:
               "eval.every_steps=0", "optim.schedule=constant",
               "checkpoint.every_steps=0"]  # the peers save nothing either
     runs = {
-        "plain_ddp": lambda: run_peer("plain_ddp.py", steps, warmup)["samples_per_s"],
-        "accelerate_ddp": lambda: run_peer("accelerate_ddp.py", steps, warmup)["samples_per_s"],
-        "mgpu_ddp": lambda: run_mgpu([*common, "strategy=ddp"], workdir)["train/samples_per_s"],
-        "mgpu_single": lambda: run_mgpu(
-            [*common, "strategy=single"], workdir)["train/samples_per_s"],
+        "plain_ddp": lambda: run_peer("plain_ddp.py", steps, warmup),
+        "accelerate_ddp": lambda: run_peer("accelerate_ddp.py", steps, warmup),
+        "mgpu_ddp": lambda: run_mgpu([*common, "strategy=ddp"], workdir),
+        "mgpu_single": lambda: run_mgpu([*common, "strategy=single"], workdir),
     }
     skipped = {}
     if not installed("accelerate"):
@@ -81,16 +93,20 @@ def bench_overhead(rounds: int, workdir: Path) -> dict:
         print(f"bench: overhead: accelerate_ddp skipped ({skipped['accelerate_ddp']})")
         del runs["accelerate_ddp"]
     samples = {name: [] for name in runs}
-    loads = []
+    quiet, contention = [], []
     for _ in range(rounds):
-        loads.append(os.getloadavg()[0])
+        quiet.append(wait_for_quiet())
         for name, run in runs.items():
-            samples[name].append(run())
+            result = run()
+            samples[name].append(result.get("samples_per_s") or result["train/samples_per_s"])
+            if name == "mgpu_ddp":  # the machine's other load while the run was timed
+                contention.append(result.get("host/other_cpu_fraction"))
     median = {name: statistics.median(values) for name, values in samples.items()}
     report = {
         "samples_per_s_median": median,
         "samples_per_s_rounds": samples,
-        "load_average_per_round": loads,
+        "machine_before_each_round": quiet,
+        "mgpu_ddp_other_cpu_fraction_per_round": contention,
         "ratio_mgpu_ddp_to_plain": median["mgpu_ddp"] / median["plain_ddp"],
         "target_ratio_to_plain": 1.05,
         "guards": guard_costs(),

@@ -4,6 +4,7 @@ the wire per collective, and no metric where it does not apply."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from mgpu import tracking
 from mgpu.config import Job
 from mgpu.launch import launch
+from mgpu.meter import OtherLoad
 from mgpu.model.mlp import MLP
 from mgpu.options import build
 from mgpu.runtime import init_runtime, shutdown
@@ -166,3 +168,33 @@ def test_gpu_check_without_cuda_says_so_and_succeeds():
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout
     assert time.monotonic() - started < 60
+
+
+SPIN = [sys.executable, "-c", "while True: pass"]
+
+
+def test_other_load_counts_a_process_outside_the_job_and_not_the_jobs_own(monkeypatch):
+    """A process spinning outside the job's tree shows as other load (one core of the machine's
+    throughout, less whatever it lost to the rest of the machine); the job's own spinning
+    process counts as the job's CPU time, not as other load."""
+    outside = subprocess.Popen(SPIN)
+    sleeper = subprocess.Popen(["sleep", "30"])  # the job's root: nothing runs under it
+    try:
+        monkeypatch.setenv("MGPU_JOB_PID", str(sleeper.pid))
+        load = OtherLoad()
+        load.start()
+        time.sleep(2.0)
+        # One core of `cores`, less what the spinning process lost to the rest of the machine.
+        assert load.fraction() >= 0.4 / load.cores
+    finally:
+        outside.kill()
+        sleeper.kill()
+    monkeypatch.setenv("MGPU_JOB_PID", str(os.getpid()))
+    load = OtherLoad()
+    before = load.job_cpu_s()
+    own = subprocess.Popen(SPIN)  # under this process: the job's own
+    try:
+        time.sleep(2.0)
+        assert load.job_cpu_s() - before >= 0.5  # of its 2 s, the spinning child's CPU time
+    finally:
+        own.kill()

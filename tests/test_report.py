@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from mgpu.model.mlp import MLP
+from mgpu.report import CONTENDED_ABOVE
 from tests.conftest import QUICK, mlflow_runs
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +40,10 @@ def test_report_turns_a_2x2_sweep_into_a_table_and_plots(cli, tmp_path):
     assert {r["comm/bytes_per_step"] for r in rows if r["strategy"] == "ddp"} == {
         str(float(grad_bytes))}
     assert {r["comm/bytes_per_step"] for r in rows if r["strategy"] == "single"} == {""}
+    for row in rows:  # each run measured the machine's other load and is marked by it
+        other = float(row["host/other_cpu_fraction"])
+        assert 0 <= other <= 1
+        assert row["timing"] == ("contended" if other > CONTENDED_ABOVE else "quiet")
     markdown = (tmp_path / "rep" / "report.md").read_text()
     assert markdown.count("| FINISHED |") == 4
     png = tmp_path / "rep" / "throughput_vs_accuracy.png"
