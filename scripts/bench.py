@@ -439,6 +439,48 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
     }
 
 
+#: The layouts of the scaling section at each world size; hybrid adds data parallelism to tp.
+SCALING = {
+    "ddp": {n: ["strategy=ddp"] for n in (1, 2, 4)},
+    "fsdp": {n: ["strategy=fsdp"] for n in (1, 2, 4)},
+    "hybrid": {1: ["strategy=hybrid", "strategy.dp=1", "strategy.tp=1"],
+               2: ["strategy=hybrid", "strategy.dp=1", "strategy.tp=2"],
+               4: ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"]},
+}
+
+
+def bench_scaling(rounds: int, workdir: Path) -> dict:
+    """ddp, fsdp and hybrid (dp x tp) on model=gpt at 1, 2 and 4 processes: samples/s (global
+    batch fixed) and efficiency against the same strategy's 1-process run, samples/s(n) /
+    samples/s(1). Compute is not added with processes here (the 2-core machine shares its
+    cores): what the figure shows is each strategy's cost of going distributed, so a regression
+    in one strategy's overhead shows as its efficiency falling against the others'.
+    """
+    common = ["model=gpt", "train.steps=60", "train.warmup_steps=10", "train.log_every=30",
+              "eval.every_steps=0", "checkpoint.every_steps=0", "optim.schedule=constant"]
+    samples = {f"{s}/{n}": [] for s, sizes in SCALING.items() for n in sizes}
+    quiet = []
+    for _ in range(rounds):
+        quiet.append(wait_for_quiet())
+        for strategy, sizes in SCALING.items():
+            for n, overrides in sizes.items():
+                summary = run_mgpu([*common, *overrides, f"launch.nproc_per_node={n}"], workdir)
+                samples[f"{strategy}/{n}"].append(summary["train/samples_per_s"])
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    efficiency = {
+        f"{s}/{n}": median[f"{s}/{n}"] / median[f"{s}/1"] for s, sizes in SCALING.items()
+        for n in sizes
+    }
+    return {
+        "samples_per_s_median": median,
+        "efficiency_vs_1_process": efficiency,
+        "samples_per_s_rounds": samples,
+        "machine_before_each_round": quiet,
+        "setup": "model=gpt on digits, global batch 64, 60 steps (10 warm-up), AdamW constant lr, "
+                 "gloo processes on one machine",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
@@ -448,6 +490,7 @@ SECTIONS = {
     "straggler": bench_straggler,
     "compression": bench_compression,
     "strategies": bench_strategies,
+    "scaling": bench_scaling,
 }
 
 
