@@ -1,5 +1,6 @@
-"""AdamW with decoupled weight decay, fused by default: one kernel updates every parameter
-(on CPU and CUDA, DTensor shards included), where torch's default loops over them in Python."""
+"""AdamW with decoupled weight decay, fused by default: one kernel updates every parameter (on
+CPU and CUDA), where torch's default loops over them in Python. Sharded and tensor-parallel
+parameters (DTensors) keep torch's loop: fused kernels have no rules for them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from mgpu.errors import ConfigError
+from mgpu.optim import fused_if_plain
 from mgpu.optim.schedule import check_schedule, lr_schedule
 
 
@@ -31,8 +33,9 @@ class AdamW:
         self.fused = fused
 
     def build(self, params: Iterable[torch.nn.Parameter], total_steps: int):
+        params = list(params)
         optimizer = torch.optim.AdamW(
             params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
-            fused=self.fused,
+            fused=fused_if_plain(params, self.fused),
         )
         return optimizer, lr_schedule(optimizer, self.schedule, self.warmup_steps, total_steps)

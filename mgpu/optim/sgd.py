@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from mgpu.errors import ConfigError
+from mgpu.optim import fused_if_plain
 from mgpu.optim.schedule import check_schedule, lr_schedule
 
 
@@ -30,8 +31,9 @@ class SGD:
         self.fused = fused
 
     def build(self, params: Iterable[torch.nn.Parameter], total_steps: int):
+        params = list(params)
         optimizer = torch.optim.SGD(
             params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
-            fused=self.fused,
+            fused=fused_if_plain(params, self.fused),
         )
         return optimizer, lr_schedule(optimizer, self.schedule, self.warmup_steps, total_steps)
