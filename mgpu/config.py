@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -421,6 +422,7 @@ def prepare(
     job = typed(Job, values)
 
     support.check(job, options)  # options of different groups that cannot run together
+    check_model(options)
     if not options.balance.uneven:  # uneven splits check their own batch
         check_batch(job)
     check_fault(job)
@@ -431,6 +433,14 @@ def prepare(
         if hasattr(option, "validate"):
             option.validate(job, options)
     return check_checkpoint(job), options
+
+
+def check_model(options: Options) -> None:
+    """The model's own checks (sizes that do not fit each other or the data) in the parent,
+    by building it on the meta device, where no memory is allocated and no weight computed."""
+    data = options.data
+    with torch.device("meta"):
+        options.model(input_shape=data.input_shape, num_classes=data.num_classes)
 
 
 def resolve_tracking_uri(uri: str | None) -> str:
