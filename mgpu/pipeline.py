@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import (
@@ -17,8 +16,10 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ConfigError
+from mgpu.loss import cross_entropy
 from mgpu.monitor.timing import clock_for
 from mgpu.precision.padding import unpad_state_dict
 
@@ -27,6 +28,8 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
+# Most dims of the logits `predict` hands every rank: (batch, classes) or (batch, tokens, vocab).
+MAX_DIMS = 4
 # The dtypes a stage may hand the next one (fp32, or what autocast computes in), sent as their
 # index here ahead of the tensor.
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -73,9 +76,10 @@ class Pipeline:
         self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.num_classes = model.head.out_features
         per_rank = stages_per_rank(schedule)
         self.num_stages = self.size * per_rank
+        # Weights both ends hold: the first and the last stage (one stage holds it once).
+        self.tied = model.tied_parameters() if self.num_stages > 1 else ()
         # Looped placement: stage s lives on pipeline rank s % size.
         self.stage_ids = [self.rank + k * self.size for k in range(per_rank)]
         self.modules = nn.ModuleList(
@@ -92,7 +96,7 @@ class Pipeline:
         cls = SCHEDULES[schedule]
         self.schedule = cls(
             stages if per_rank > 1 else stages[0], n_microbatches=microbatches,
-            loss_fn=F.cross_entropy,
+            loss_fn=cross_entropy,
         )
         self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
         # Marks (perf_counter on CPU, CUDA events on the current stream on GPU), read at log
@@ -123,6 +127,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
         self.schedule.step(*args, target=labels, losses=losses)
+        self.add_tied_gradients()
         self.steps.append((start, self.clock.mark()))
         last = self.rank == self.size - 1
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
@@ -144,12 +149,41 @@ class Pipeline:
             hidden = module(hidden)
             if s < self.num_stages - 1:
                 self.send(hidden, (s + 1) % self.size)
+        # The shape first (a class per sample, or one per token): the other ranks allocate it.
+        shape = torch.zeros(1 + MAX_DIMS, dtype=torch.long, device=self.device)
         if self.rank == self.size - 1:
             logits = hidden.float().contiguous()  # a padded head's output is a strided slice
-        else:
-            logits = torch.empty(inputs.shape[0], self.num_classes, device=self.device)
+            shape[: 1 + logits.dim()] = torch.tensor([logits.dim(), *logits.shape])
+        dist.broadcast(shape, src=self.last_rank, group=self.group)
+        if self.rank != self.size - 1:
+            dims = int(shape[0])
+            logits = torch.empty(shape[1 : 1 + dims].tolist(), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
         return logits
+
+    def add_tied_gradients(self) -> None:
+        """Give both copies of a weight the first and the last stage share (a language model's
+        token embedding, also its output layer) the sum of their gradients, as one model's one
+        weight gets: each copy then takes the same optimizer step and they stay equal.
+
+        Both ends add in the same order (first stage's + last stage's), so the copies stay
+        bitwise equal; only the two ranks holding them communicate.
+        """
+        first, last = 0, self.num_stages - 1
+        stages = zip(self.stage_ids, self.modules, strict=True)
+        held = {s: module for s, module in stages if s in (first, last)}
+        for name in self.tied:
+            grads = {s: local_gradient(module, name) for s, module in held.items()}
+            if len(grads) == 2:  # both ends on this rank (one pipeline rank, interleaved)
+                grads[first].add_(grads[last])
+                grads[last].copy_(grads[first])
+            elif first in grads:
+                self.send(grads[first], to=self.size - 1)
+                grads[first].add_(self.receive(self.size - 1))
+            elif last in grads:
+                own, theirs = grads[last], self.receive(0)
+                self.send(own, to=0)
+                own.copy_(theirs.add_(own))
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
         """`tensor` to pipeline rank `to`, after its dtype and shape, so that `receive` allocates
@@ -209,3 +243,9 @@ class Pipeline:
         parts: list[dict | None] = [None] * self.size
         dist.all_gather_object(parts, mine, group=self.group)
         return {name: value for part in parts for name, value in part.items()}
+
+
+def local_gradient(module: nn.Module, name: str) -> torch.Tensor:
+    """The gradient of `module`'s parameter `name` as this rank holds it (a shard under FSDP)."""
+    grad = module.get_parameter(name).grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -29,7 +28,8 @@ from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer
 from mgpu.compression import CommHook, Compression
 from mgpu.config import Options
-from mgpu.data.loader import IGNORED_LABEL, EvalBatches
+from mgpu.data.loader import EvalBatches
+from mgpu.loss import IGNORED_LABEL, cross_entropy
 from mgpu.meter import OtherLoad, StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.monitor.mfu import MFU
@@ -256,7 +256,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices.
+        """Loss and accuracy on the held-out split, summed over all ranks' disjoint slices:
+        per sample for a classifier, per token for a language model (nats per token, next-token
+        accuracy), with what the held-out set adds (its perplexity and unigram baseline).
 
         Samples labelled IGNORED_LABEL only keep a rank's forward passes in step with its peers'.
         """
@@ -266,17 +268,16 @@ class Trainer:
             inputs, labels = inputs.to(self.runtime.device), labels.to(self.runtime.device)
             with self.precision.autocast(self.runtime.device):
                 logits = self.strategy.predict(self.model, inputs)
-            totals[0] += F.cross_entropy(
-                logits.float(), labels, ignore_index=IGNORED_LABEL, reduction="sum"
-            )
-            totals[1] += (logits.argmax(dim=1) == labels).sum()
+            totals[0] += cross_entropy(logits.float(), labels, reduction="sum")
+            totals[1] += (logits.argmax(dim=-1) == labels).sum()
             totals[2] += (labels != IGNORED_LABEL).sum()
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.model.train()
         loss, correct, count = totals.tolist()
         log.info("eval  loss %.4f  accuracy %.4f", loss / count, correct / count)
-        return {"eval/loss": loss / count, "eval/accuracy": correct / count}
+        return {"eval/loss": loss / count, "eval/accuracy": correct / count,
+                **self.val_loader.eval_metrics(loss / count)}
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.tracker:

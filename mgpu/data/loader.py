@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from mgpu.data.sampler import GlobalOrderSampler
+from mgpu.loss import IGNORED_LABEL
 from mgpu.runtime import Runtime
 
 #: The largest tensor data set moved to a CUDA device whole (else batches are copied per step).
@@ -91,10 +92,6 @@ class TrainBatches:
         self.iterator = self.batches()  # nothing of the old position is left in flight
 
 
-# A label no prediction equals and F.cross_entropy leaves out (its default ignore_index).
-IGNORED_LABEL = -100
-
-
 class EvalBatches:
     """This rank's slice of the held-out set, in as many batches as every other rank's.
 
@@ -119,6 +116,12 @@ class EvalBatches:
         yield from self.loader
         for _ in range(self.num_batches - len(self.loader)):
             yield self.filler()
+
+    def eval_metrics(self, loss: float) -> dict[str, float]:
+        """What the held-out set reports beside its loss and accuracy, where it has anything
+        (token windows: perplexity and the unigram baseline, `TokenWindows.eval_metrics`)."""
+        extra = getattr(self.dataset, "eval_metrics", None)
+        return extra(loss) if extra else {}
 
     def filler(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of one sample that counts nowhere: its label is IGNORED_LABEL."""

@@ -14,7 +14,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from mgpu.loss import cross_entropy
 from mgpu.meter import memory_metrics
 from mgpu.parallel import DDPOptions, FSDPOptions, Layout, ParallelPlan, check_activation_recompute
 from mgpu.parallel.fsdp import gradient_sync_off
@@ -131,7 +131,7 @@ class Strategy(ABC):
             with timer.phase("backward"), precision.autocast(inputs.device):
                 return self.pipe.forward_backward(inputs, labels)
         with timer.phase("forward"), precision.autocast(inputs.device):
-            loss = F.cross_entropy(model(inputs), labels)
+            loss = cross_entropy(model(inputs), labels)
         with timer.phase("backward"):
             precision.backward(loss / divisor if divisor != 1 else loss)
         return loss.detach()
