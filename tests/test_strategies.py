@@ -146,12 +146,21 @@ def test_bad_strategy_settings_are_one_config_error(overrides, message, tmp_path
 
 def test_sequence_parallel_needs_tp_to_divide_the_sequence(tmp_path):
     make_job(["strategy=tp", "strategy.sequence_parallel=true", "model=gpt",
-              "launch.nproc_per_node=4"], tmp_path)  # digits: 64 tokens
-    expected = ("strategy.sequence_parallel=true: tp=2 must divide the sequence length 25 (the "
-                "data's input size); use sequence_parallel=false or another tp degree")
+              "launch.nproc_per_node=4"], tmp_path)  # digits: 4 tokens of 4x4 pixels
+    expected = ("strategy.sequence_parallel=true: tp=2 must divide the sequence length 25 "
+                "(tokens per sample); use sequence_parallel=false or another tp degree")
     line = assert_refused(["strategy=tp", "strategy.sequence_parallel=true", "model=gpt",
-                           "data=synthetic", "data.image_size=5"], expected, tmp_path)
+                           "data=synthetic", "data.image_size=5", "model.patch=1"], expected,
+                          tmp_path)
     assert line == expected
+    assert_refused(["strategy=tp", "strategy.sequence_parallel=true", "model=gpt", "data=text",
+                    "data.seq_len=63"], "tp=2 must divide the sequence length 63", tmp_path)
+
+
+def test_a_patch_must_divide_the_image(tmp_path):
+    expected = ("model.patch=3: must divide the image size (8, 8); use a divisor of it, e.g. "
+                "model.patch=1")
+    assert assert_refused(["model=gpt", "model.patch=3"], expected, tmp_path) == expected
 
 
 def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):

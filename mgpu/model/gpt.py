@@ -1,13 +1,19 @@
-"""A small decoder-style transformer over images read as token sequences.
+"""A small transformer with two readings of its input, decided by the data's shape:
 
-Each pixel intensity becomes a token (digits: 8x8 pixels of 0..16 → 64 tokens over a vocabulary
-of 17), so the model sees a real token stream while eval accuracy stays comparable with the
-MLP and CNN. Causal self-attention blocks, a final norm, mean-pooling and a classifier head.
+- a token sequence, input shape (T,) (`data=text`): a decoder language model. Token and position
+  embeddings, causal self-attention blocks, a final norm, and logits over the vocabulary at
+  every position from the token embedding itself (tied weights): position t predicts token t+1.
+- an image, input shape (C, H, W) (`data=digits`, `data=synthetic`): a classifier over its
+  `patch` x `patch` squares, each square one token (a linear embedding of its pixels) plus a
+  learned position. Attention sees the whole image, the tokens are mean-pooled into a class
+  head. A pixel per token (64 tokens from a 17-level vocabulary) reached 0.68 on digits in 500
+  steps; 4x4 squares reach ~0.97, as the MLP does, in a sixteenth of the sequence.
 
 The model states what the parallel strategies need: its blocks (FSDP units, activation
 checkpointing), its tensor-parallel plan (Megatron's split: column-wise q/k/v and first MLP
 layer, row-wise output projections; optionally with sequence parallelism, which also splits the
-norms and the residual stream along the sequence) and where it can be cut into pipeline stages.
+norms and the residual stream along the sequence), where it can be cut into pipeline stages, and
+which weight the first and the last stage share (the tied token embedding).
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ SEQ = Shard(1)
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
         super().__init__()
         self.head_dim = dim // heads
+        self.causal = causal
         self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
         self.proj = nn.Linear(dim, dim)
 
@@ -47,7 +54,7 @@ class Attention(nn.Module):
             f(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for f in (self.q, self.k, self.v)
         )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -62,10 +69,10 @@ class MLPBlock(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
+    def __init__(self, dim: int, heads: int, mlp_ratio: int, causal: bool) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
+        self.attn = Attention(dim, heads, causal)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLPBlock(dim, dim * mlp_ratio)
 
@@ -74,8 +81,17 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def sequence_length(input_shape: tuple[int, ...], patch: int) -> int:
+    """Tokens per sample: the sequence itself, or an image's patch count."""
+    if len(input_shape) == 1:
+        return input_shape[0]
+    return math.prod(size // patch for size in input_shape[1:])
+
+
 class GPT(nn.Module):
     batch_statistics = False
+    #: It reads token sequences and predicts the next token at every position.
+    language_model = True
 
     def __init__(
         self,
@@ -85,26 +101,48 @@ class GPT(nn.Module):
         heads: int = 4,
         layers: int = 4,
         mlp_ratio: int = 4,
-        vocab: int = 17,
+        patch: int = 4,
     ) -> None:
         super().__init__()
-        self.check_sizes(dim, heads, layers)
-        self.vocab = vocab
-        seq_len = math.prod(input_shape)
-        self.tok_emb = nn.Embedding(vocab, dim)
-        self.pos_emb = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
+        self.check_sizes(dim, heads, layers, patch, input_shape)
+        #: Token ids in, a prediction per position out (else an image in, a class out).
+        self.next_token = len(input_shape) == 1
+        self.num_classes, self.patch = num_classes, patch
+        self.seq_len = sequence_length(input_shape, patch)
+        if self.next_token:
+            self.tok_emb = nn.Embedding(num_classes, dim)
+            nn.init.normal_(self.tok_emb.weight, std=0.02)  # it is the output layer too
+        else:
+            self.patch_emb = nn.Linear(input_shape[0] * patch * patch, dim)
+        self.pos_emb = nn.Parameter(torch.randn(self.seq_len, dim) * 0.02)
         # A dict keyed "0".."N-1", not a list: pipeline stages delete the blocks they don't own
         # and the rest keep their names, so every stage's state_dict keys match the whole model.
-        self.layers = nn.ModuleDict({str(i): Block(dim, heads, mlp_ratio) for i in range(layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(dim, heads, mlp_ratio, self.next_token) for i in range(layers)}
+        )
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, num_classes)
+        if not self.next_token:
+            self.head = nn.Linear(dim, num_classes)
 
     @staticmethod
-    def check_sizes(dim: int, heads: int, layers: int) -> None:
+    def check_sizes(
+        dim: int, heads: int, layers: int, patch: int, input_shape: tuple[int, ...]
+    ) -> None:
+        if len(input_shape) not in (1, 3):
+            raise ConfigError(
+                f"model=gpt reads token sequences (T,) or images (C, H, W), got shape "
+                f"{tuple(input_shape)}"
+            )
         if heads < 1 or dim % heads:
             raise ConfigError(f"model.heads={heads}: must divide model.dim={dim}")
         if layers < 1:
             raise ConfigError(f"model.layers={layers}: must be >= 1")
+        images = len(input_shape) == 3
+        if images and (patch < 1 or any(size % patch for size in input_shape[1:])):
+            raise ConfigError(
+                f"model.patch={patch}: must divide the image size {tuple(input_shape[1:])}; "
+                f"use a divisor of it, e.g. model.patch=1"
+            )
 
     @classmethod
     def check_parallel(
@@ -120,11 +158,11 @@ class GPT(nn.Module):
                 f"strategy tp={tp}: must divide model.heads={heads} and the MLP hidden size "
                 f"{hidden}; pick a tp degree that divides both"
             )
-        tokens = math.prod(input_shape)
+        tokens = sequence_length(input_shape, settings.get("patch", 4))
         if sequence_parallel and tokens % tp:
             raise ConfigError(
                 f"strategy.sequence_parallel=true: tp={tp} must divide the sequence length "
-                f"{tokens} (the data's input size); use sequence_parallel=false or another "
+                f"{tokens} (tokens per sample); use sequence_parallel=false or another "
                 f"tp degree"
             )
         layers = settings.get("layers", 4)
@@ -133,10 +171,6 @@ class GPT(nn.Module):
                 f"strategy pp={pp}: more pipeline stages than model.layers={layers}; "
                 f"use pp <= {layers}"
             )
-
-    def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Inputs scaled to 0..1 (pixel intensities) as integer tokens 0..vocab-1."""
-        return (x.flatten(1).clamp(0, 1) * (self.vocab - 1)).round().long()
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
@@ -189,23 +223,67 @@ class GPT(nn.Module):
 
     def pipeline_stage(self, stage: int, stages: int) -> GPT:
         """This model cut down in place to pipeline stage `stage` of `stages`: an even share of
-        the blocks; the embedding on the first stage, the norm and head on the last."""
+        the blocks; the embeddings on the first stage, the norm and head on the last. A
+        language model's last stage keeps the token embedding as its output layer: the one
+        weight two stages hold (`tied_parameters`)."""
         names = list(self.layers.keys())
         bounds = [round(i * len(names) / stages) for i in range(stages + 1)]
         keep = set(names[bounds[stage]:bounds[stage + 1]])
         for name in names:
             if name not in keep:
                 del self.layers[name]
-        if stage > 0:
-            self.tok_emb, self.pos_emb = None, None
-        if stage < stages - 1:
-            self.norm, self.head = None, None
+        first, last = stage == 0, stage == stages - 1
+        if not first:
+            self.pos_emb = None
+            if self.next_token and not last:
+                self.tok_emb = None
+            if not self.next_token:
+                self.patch_emb = None
+        if not last:
+            self.norm = None
+            if not self.next_token:
+                self.head = None
         return self
 
+    def tied_parameters(self) -> tuple[str, ...]:
+        """Names of the weights that both the first and the last pipeline stage hold, whose
+        gradients the two must add up: the token embedding, which is also the output layer."""
+        return ("tok_emb.weight",) if self.next_token else ()
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, T), or images cut into patches, as (batch, tokens, dim)."""
+        if self.next_token:
+            return self.tok_emb(x) + self.pos_emb
+        p = self.patch
+        squares = x.unfold(2, p, p).unfold(3, p, p)  # (batch, C, H/p, W/p, p, p)
+        squares = squares.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)
+        return self.patch_emb(squares) + self.pos_emb
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_emb(self.tokens(x)) + self.pos_emb if self.tok_emb is not None else x
+        h = self.embed(x) if self.pos_emb is not None else x
         for block in self.layers.values():
             h = block(h)
-        if self.head is None:
+        if self.norm is None:
             return h
-        return self.head(self.norm(h).mean(dim=1))
+        h = self.norm(h)
+        if self.next_token:
+            return F.linear(h, self.tok_emb.weight)
+        return self.head(h.mean(dim=1))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs (forward and backward: 3 x forward, 2 per multiply-add) per token:
+        6 x the weights each token is multiplied by (blocks, patch embedding or output layer)
+        plus attention's scores and weighted sum, 12 x layers x dim x T (nanoGPT's and PaLM's
+        count, the causal mask's skipped half included)."""
+        blocks = [m for block in self.blocks() for m in block.modules()
+                  if isinstance(m, nn.Linear)]
+        per_token = sum(m.weight.numel() for m in blocks)
+        per_token += self.tok_emb.weight.numel() if self.next_token else (
+            self.patch_emb.weight.numel())
+        dim = self.norm.normalized_shape[0]
+        return 6 * per_token + 12 * len(self.layers) * dim * self.seq_len
+
+    def flops_per_sample(self) -> float:
+        """`flops_per_token` over the sample's tokens, and for an image its class head."""
+        head = 0 if self.next_token else 6 * self.head.weight.numel()
+        return self.flops_per_token() * self.seq_len + head
