@@ -37,7 +37,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from mgpu.config import Job, resolve_tracking_uri
+from mgpu.config import Job, build, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,10 @@ def start_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) ->
         tags=tags,
     )
     run_id = run.info.run_id
+    values = {**flatten(job.as_dict()), **data_params(job)}
     params = [
         Param(key, str(value)[:MAX_PARAM_LENGTH])
-        for key, value in flatten(job.as_dict()).items()
+        for key, value in values.items()
         if not key.endswith("_target_")
     ]
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
@@ -102,6 +103,13 @@ def start_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) ->
     client.log_text(run_id, OmegaConf.to_yaml(job.as_dict()), "config.yaml")
     client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
     return run_id
+
+
+def data_params(job: Job) -> dict[str, str]:
+    """What the data states about itself beyond its settings, where it does (`run_params`):
+    a corpus that differs between machines, its size and source."""
+    data = build(job.data)
+    return data.run_params() if hasattr(data, "run_params") else {}
 
 
 def log_env(uri: str, run_id: str, env: Mapping[str, str], topology: Path | None = None) -> None:

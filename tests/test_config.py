@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from torch.utils.data import default_collate
 
 from mgpu import config
 from mgpu.config import GROUPS, Job
@@ -26,16 +27,17 @@ def test_every_option_composes_and_instantiates(group, option, tmp_path):
     overrides = [f"{group}={option}"]
     if group == "strategy" and option == "single":
         overrides.append("launch.nproc_per_node=auto")
-    if group == "strategy" and option in ("tp", "pp", "hybrid"):
-        overrides.append("model=gpt")  # strategies that split the model need one that can be
+    if (group, option) in (("strategy", "tp"), ("strategy", "pp"), ("strategy", "hybrid"),
+                           ("data", "text")):
+        overrides.append("model=gpt")  # models that can be split, or that read token sequences
     job = make_job(overrides, tmp_path)
     assert getattr(job, group)["_target_"].startswith(f"mgpu.{group}.")
     data = build(job.data)
     train_set, val_set = data.splits(job.seed)
     assert len(train_set) > len(val_set) > 0
     model = build(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    inputs, _ = train_set[:4]
-    assert model(inputs).shape == (4, data.num_classes)
+    inputs, labels = default_collate([train_set[i] for i in range(4)])
+    assert model(inputs).shape == (*labels.shape, data.num_classes)
     for name in ("strategy", "precision", "compression", "network", "balance", "optim"):
         assert build(getattr(job, name)) is not None
 

@@ -11,6 +11,7 @@ from mgpu.errors import ConfigError
 
 
 class Digits:
+    next_token = False
     input_shape = (1, 8, 8)
     num_classes = 10
 

@@ -9,6 +9,7 @@ from mgpu.errors import ConfigError
 
 
 class Synthetic:
+    next_token = False
     def __init__(
         self,
         batch_size: int = 64,
