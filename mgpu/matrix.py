@@ -1,7 +1,7 @@
 """`python -m mgpu.matrix`: which options run together, generated from what each option declares.
 
 Every rule of `mgpu.support` concerns two axes (strategy, precision, compression, balance,
-model, train.grad_accum), so a combination runs exactly when each of its pairs does. For every
+model, data, train.grad_accum), so a combination runs exactly when each of its pairs does. For every
 two axes with a refused pair this prints a grid (✓ runs together; a number: refused, the reason
 below), then each option's declarations. `--cells` prints the covering array the test tier runs
 instead: combinations that together contain every supported pair (each one a real run), and one
@@ -41,7 +41,8 @@ DECLARATIONS = {
     "precision": ("loss_scaling",),
     "compression": ("needs_comm_hook", "stateful", "exact"),
     "balance": ("uneven", "needs_comm_hook", "stateful", "exact", "deterministic"),
-    "model": ("batch_statistics",),
+    "model": ("batch_statistics", "language_model"),
+    "data": ("next_token",),
 }
 
 

@@ -3,7 +3,8 @@
 Every option states what it offers and needs as plain class attributes: a strategy whether it
 takes a DDP comm hook, runs a pipeline, lets ranks take unequal batches; a precision whether it
 scales the loss; a compression whether it is a comm hook; a balance whether it splits the batch
-unevenly; a model which parallel plans it has and whether it keeps batch statistics. The rules
+unevenly; a model which parallel plans it has, whether it keeps batch statistics and whether it
+predicts the next token; a data set whether its samples are token sequences. The rules
 below read only those declarations, never class names, so an option added later (a user's own
 class too) joins them by declaring what it does.
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from mgpu.config import Job, Options
 
 #: The groups (and the one root key) whose combinations the rules and the matrix cover.
-AXES = ("strategy", "precision", "compression", "balance", "model", "grad_accum")
+AXES = ("strategy", "precision", "compression", "balance", "model", "data", "grad_accum")
 GRAD_ACCUM_KEY = "train.grad_accum"
 
 #: Model methods a strategy may need, and what they give it.
@@ -173,6 +174,16 @@ def strategy_needs_a_model_plan(strategy: Option, model: Option) -> str | None:
     return None
 
 
+def token_data_needs_a_language_model(data: Option, model: Option) -> str | None:
+    """Token sequences labelled with each next token need a model that predicts at every
+    position."""
+    if not data.declares("next_token") or model.declares("language_model"):
+        return None
+    return (f"{data} cannot run with {model} (its samples are token sequences whose every "
+            f"position is labelled with the next token, which {model.obj.__name__} does not "
+            f"predict); use {alternatives('model', lambda m: m.declares('language_model'))}")
+
+
 @dataclass(frozen=True)
 class Rule:
     axes: tuple[str, str]
@@ -193,6 +204,7 @@ RULES = (
     Rule(("precision", "strategy"), pipelines_run_their_own_backward),
     Rule(("grad_accum", "strategy"), pipelines_accumulate_already),
     Rule(("strategy", "model"), strategy_needs_a_model_plan),
+    Rule(("data", "model"), token_data_needs_a_language_model),
 )
 
 
@@ -226,7 +238,7 @@ def check(job: Job, options: Options) -> None:
     chosen = {
         group: Option(group, option_name(group, getattr(job, group)["_target_"]),
                       getattr(options, group))
-        for group in ("strategy", "precision", "compression", "balance")
+        for group in ("strategy", "precision", "compression", "balance", "data")
     }
     model = import_target(job.model["_target_"])
     chosen["model"] = Option("model", option_name("model", job.model["_target_"]), model)

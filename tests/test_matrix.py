@@ -47,6 +47,7 @@ RUN = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.log_every=5",
 # Per option: settings that make it act within 10 steps (warm-ups) and keep the run small.
 SHORT = {
     "model=gpt": ["model.dim=32", "model.mlp_ratio=2"],
+    "data=text": ["data.seq_len=16", "data.val_samples=32"],
     "model=cnn": ["model.channels=[8,16]", "model.hidden=32"],
     "compression=onebit": ["compression.warmup_steps=2"],
     "compression=powersgd": ["compression.start_powerSGD_iter=2"],

@@ -8,6 +8,7 @@ from torch import nn
 
 class CNN(nn.Module):
     batch_statistics = True  # BatchNorm
+    language_model = False
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from torch import nn
 
 class MLP(nn.Module):
     batch_statistics = False
+    language_model = False
 
     def __init__(
         self,
