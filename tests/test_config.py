@@ -90,6 +90,12 @@ PRESETS = {
         [{"strategy._target_": strategy, "launch.world_size": world_size, "optim.lr": lr}
          for strategy, world_size in ((SINGLE, 1), (DDP, 2)) for lr in (1e-3, 3e-3)],
     ),
+    "gpt_gpu": (
+        {"model._target_": "mgpu.model.gpt.GPT", "data._target_": "mgpu.data.text.Text",
+         "precision._target_": "mgpu.precision.bf16.BF16", "model.dim": 768, "data.seq_len": 512,
+         "monitor.enabled": True},
+        [{}],
+    ),
     "compression_sweep": (
         {"strategy._target_": DDP, "launch.world_size": 2},
         [{"compression._target_": f"mgpu.compression.{name}"}
