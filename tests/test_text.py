@@ -8,9 +8,11 @@ import platform
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from mgpu.data.loader import TrainBatches
 from mgpu.data.text import Text, corpus, held_out, source_files, stdlib_root
+from mgpu.loss import cross_entropy
 from mgpu.model.gpt import GPT
 from tests.conftest import mlflow_runs
 from tests.test_balance import cpu_runtime
@@ -99,7 +101,19 @@ def test_gpt_reads_bytes_causally_and_ties_its_output_to_the_embedding():
     torch.testing.assert_close(after[:, :10], logits[:, :10], rtol=0, atol=0)  # no peeking
     assert not torch.equal(after[:, 10], logits[:, 10])
     assert "head.weight" not in model.state_dict()
+
+
+def test_gpt_states_the_flops_torch_counts():
+    """6 x weights per token is what torch counts for the matmuls of a forward and backward
+    pass; attention's 12 x layers x dim x T per token it does not count on CPU."""
+    torch.manual_seed(0)
+    model = GPT((SEQ_LEN,), 256, dim=32, heads=4, layers=2)
+    tokens = torch.randint(0, 256, (2, SEQ_LEN + 1))
+    with FlopCounterMode(display=False) as counter:
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    attention = 12 * 2 * 32 * SEQ_LEN * SEQ_LEN
     assert model.flops_per_sample() == model.flops_per_token() * SEQ_LEN
+    assert model.flops_per_sample() == counter.get_total_flops() / 2 + attention
 
 
 # ---- training: every parallel layout against one process ------------------------------------
