@@ -412,14 +412,16 @@ STRATEGIES = {
 
 
 def bench_strategies(rounds: int, workdir: Path) -> dict:
-    """Every strategy on model=gpt: throughput, bytes per rank, pipeline bubble (measured and
-    the schedule's (p-1)/(v*m+p-1)). 2 processes, 4 for hybrid; SGD so state is one buffer."""
+    """Every strategy on model=gpt as a language model on data=text: throughput, bytes per
+    rank, pipeline bubble (measured and the schedule's (p-1)/(v*m+p-1)). 2 processes, 4 for
+    hybrid; SGD so state is one buffer."""
     steps, warmup = 60, 10
-    common = ["model=gpt", "optim=sgd", f"train.steps={steps}", f"train.warmup_steps={warmup}",
-              "train.log_every=10", "eval.every_steps=0", "optim.schedule=constant"]
+    common = ["model=gpt", "data=text", "optim=sgd", f"train.steps={steps}",
+              f"train.warmup_steps={warmup}", "train.log_every=10", "eval.every_steps=0",
+              "optim.schedule=constant"]
     keep = ("train/samples_per_s", "memory/param_bytes_per_rank",
             "memory/optimizer_bytes_per_rank", "memory/peak_bytes", "pp/bubble_fraction",
-            "pp/bubble_fraction_theory", "eval/accuracy")
+            "pp/bubble_fraction_theory", "eval/loss", "eval/accuracy")
     samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
     figures: dict[str, dict] = {}
     for _ in range(rounds):
@@ -434,8 +436,8 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
         "per_strategy": figures,
         "samples_per_s_rounds": samples,
         "throughput_vs_ddp": {n: f["train/samples_per_s"] / ddp for n, f in figures.items()},
-        "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on digits as 64-token sequences, "
-                 f"global batch 64, {steps} steps ({warmup} warm-up), SGD, gloo",
+        "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on data=text: 32 sequences of 64 "
+                 f"bytes per step, {steps} steps ({warmup} warm-up), SGD, gloo",
     }
 
 
