@@ -107,7 +107,7 @@ class GPT(nn.Module):
         self.check_sizes(dim, heads, layers, patch, input_shape)
         #: Token ids in, a prediction per position out (else an image in, a class out).
         self.next_token = len(input_shape) == 1
-        self.num_classes, self.patch = num_classes, patch
+        self.dim, self.patch = dim, patch
         self.seq_len = sequence_length(input_shape, patch)
         if self.next_token:
             self.tok_emb = nn.Embedding(num_classes, dim)
@@ -280,8 +280,7 @@ class GPT(nn.Module):
         per_token = sum(m.weight.numel() for m in blocks)
         per_token += self.tok_emb.weight.numel() if self.next_token else (
             self.patch_emb.weight.numel())
-        dim = self.norm.normalized_shape[0]
-        return 6 * per_token + 12 * len(self.layers) * dim * self.seq_len
+        return 6 * per_token + 12 * len(self.layers) * self.dim * self.seq_len
 
     def flops_per_sample(self) -> float:
         """`flops_per_token` over the sample's tokens, and for an image its class head."""
