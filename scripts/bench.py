@@ -436,7 +436,7 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
         "per_strategy": figures,
         "samples_per_s_rounds": samples,
         "throughput_vs_ddp": {n: f["train/samples_per_s"] / ddp for n, f in figures.items()},
-        "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on data=text: 32 sequences of 64 "
+        "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on data=text: 16 sequences of 64 "
                  f"bytes per step, {steps} steps ({warmup} warm-up), SGD, gloo",
     }
 

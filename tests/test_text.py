@@ -124,6 +124,7 @@ TEXT = [*SGD, "train.steps=10", "train.log_every=5", "model=gpt", "model.dim=32"
 LAYOUTS = [
     ["strategy=ddp"],
     ["strategy=tp", "strategy.sequence_parallel=true"],
+    ["strategy=pp"],  # the tied embedding on the first stage, its copy on the last
     # 4 stages on 2 ranks: the tied embedding's two copies on different ranks, FSDP2 on each.
     ["strategy=hybrid", "strategy.pp=2", "strategy.schedule=interleaved_1f1b"],
 ]

@@ -110,7 +110,7 @@ class Text:
 
     def __init__(
         self,
-        batch_size: int = 32,
+        batch_size: int = 16,
         seq_len: int = 64,
         val_fraction: float = 0.1,
         val_samples: int = 256,
