@@ -51,7 +51,8 @@ def launch_one_job(cfg: DictConfig) -> float:
     run_id = None
     if job.tracking.enabled:
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
-        run_id = resumed or tracking.start_job_run(job, choices, overrides)
+        run_id = resumed or tracking.start_job_run(
+            job, choices, overrides, tracking.data_params(options.data))
         if not resumed:
             tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
     try:

@@ -37,7 +37,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from mgpu.config import Job, build, resolve_tracking_uri
+from mgpu.config import Job, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,12 @@ def experiment_id(client: MlflowClient, name: str) -> str:
         return found.experiment_id
 
 
-def start_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) -> str:
-    """Create the job's run: params = flattened config, tags = group choices and overrides."""
+def start_job_run(
+    job: Job, choices: Mapping[str, str], overrides: list[str],
+    extra_params: Mapping[str, str] | None = None,
+) -> str:
+    """Create the job's run: params = flattened config (and `extra_params`: what the options
+    state about themselves, `data_params`), tags = group choices and overrides."""
     tracking = job.tracking
     client = MlflowClient(tracking.uri)
     tags = {group: str(option) for group, option in choices.items()}
@@ -92,7 +96,7 @@ def start_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) ->
         tags=tags,
     )
     run_id = run.info.run_id
-    values = {**flatten(job.as_dict()), **data_params(job)}
+    values = {**flatten(job.as_dict()), **(extra_params or {})}
     params = [
         Param(key, str(value)[:MAX_PARAM_LENGTH])
         for key, value in values.items()
@@ -105,10 +109,9 @@ def start_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) ->
     return run_id
 
 
-def data_params(job: Job) -> dict[str, str]:
-    """What the data states about itself beyond its settings, where it does (`run_params`):
-    a corpus that differs between machines, its size and source."""
-    data = build(job.data)
+def data_params(data: object) -> dict[str, str]:
+    """What the data option states about itself beyond its settings, where it does
+    (`run_params`): a corpus that differs between machines, its size and source."""
     return data.run_params() if hasattr(data, "run_params") else {}
 
 

@@ -59,7 +59,8 @@ def main_under_torchrun(
             return start_task(job, options, runtime, None)
         uri = job.tracking.uri
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
-        run_id = resumed or tracking.start_job_run(job, choices, overrides)
+        run_id = resumed or tracking.start_job_run(
+            job, choices, overrides, tracking.data_params(options.data))
         if not resumed:
             tracking.log_env(uri, run_id, env)
         # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.

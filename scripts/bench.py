@@ -452,14 +452,16 @@ SCALING = {
 
 
 def bench_scaling(rounds: int, workdir: Path) -> dict:
-    """ddp, fsdp and hybrid (dp x tp) on model=gpt at 1, 2 and 4 processes: samples/s (global
-    batch fixed) and efficiency against the same strategy's 1-process run, samples/s(n) /
-    samples/s(1). Compute is not added with processes here (the 2-core machine shares its
-    cores): what the figure shows is each strategy's cost of going distributed, so a regression
-    in one strategy's overhead shows as its efficiency falling against the others'.
+    """ddp, fsdp and hybrid (dp x tp) on the language model (model=gpt data=text) at 1, 2 and 4
+    processes: samples/s (global batch fixed) and efficiency against the same strategy's
+    1-process run, samples/s(n) / samples/s(1). Compute is not added with processes here (the
+    2-core machine shares its cores): what the figure shows is each strategy's cost of going
+    distributed, so a regression in one strategy's overhead shows as its efficiency falling
+    against the others'.
     """
-    common = ["model=gpt", "train.steps=60", "train.warmup_steps=10", "train.log_every=30",
-              "eval.every_steps=0", "checkpoint.every_steps=0", "optim.schedule=constant"]
+    common = ["model=gpt", "data=text", "train.steps=60", "train.warmup_steps=10",
+              "train.log_every=30", "eval.every_steps=0", "checkpoint.every_steps=0",
+              "optim.schedule=constant"]
     samples = {f"{s}/{n}": [] for s, sizes in SCALING.items() for n in sizes}
     quiet = []
     for _ in range(rounds):
@@ -478,8 +480,8 @@ def bench_scaling(rounds: int, workdir: Path) -> dict:
         "efficiency_vs_1_process": efficiency,
         "samples_per_s_rounds": samples,
         "machine_before_each_round": quiet,
-        "setup": "model=gpt on digits, global batch 64, 60 steps (10 warm-up), AdamW constant lr, "
-                 "gloo processes on one machine",
+        "setup": "model=gpt on data=text (its default batch), 60 steps (10 warm-up), AdamW "
+                 "constant lr, gloo processes on one machine",
     }
 
 

@@ -141,8 +141,9 @@ def test_every_experiment_preset_composes_and_every_job_of_it_prepares(preset, t
 
 @pytest.mark.dist
 def test_each_process_builds_the_options_once(one_rank_group, tmp_path, monkeypatch):
-    """The parent builds each group's option once to check the job; a worker handed those
-    options builds only the model (whose input shape the data tells), nothing twice."""
+    """The parent builds each group's option once to check the job (and the model once, on
+    the meta device, for its own checks); a worker handed those options builds only the model
+    (whose input shape the data tells), nothing twice."""
     made: Counter[str] = Counter()
     real = config.build
 
@@ -155,7 +156,7 @@ def test_each_process_builds_the_options_once(one_rank_group, tmp_path, monkeypa
                           "launch.nproc_per_node=1", "monitor.enabled=true"])
     job, options = config.prepare(cfg, cuda_devices=0, torchrun_world=None)
     groups = [g for g in GROUPS if g != "model"]
-    assert made == Counter(getattr(job, g)["_target_"] for g in groups)
+    assert made == Counter(getattr(job, g)["_target_"] for g in [*groups, "model"])
     made.clear()
     runtime = Runtime(0, 0, 1, 1, torch.device("cpu"), tmp_path)
     Trainer.build(job, runtime, None, options).close()
