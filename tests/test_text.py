@@ -8,6 +8,7 @@ import platform
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
 from mgpu.data.loader import TrainBatches
@@ -51,6 +52,11 @@ def test_targets_are_the_inputs_shifted_by_one():
             assert int(targets[-1]) == int(dataset.tokens[start + SEQ_LEN])
     # Consecutive training windows tile the bytes: the next input starts at the last target.
     assert torch.equal(train[1][0][:1], train[0][1][-1:])
+    # A batch cut at once is the samples stacked, as a DataLoader would give them.
+    indices = torch.tensor([5, 0, len(train) - 1, 5])
+    for cut, stacked in zip(train.batch(indices), default_collate([train[int(i)] for i in indices]),
+                            strict=True):
+        assert cut.dtype == stacked.dtype and torch.equal(cut, stacked)
 
 
 def test_position_resumes_where_it_was_saved(tmp_path):

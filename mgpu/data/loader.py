@@ -4,8 +4,9 @@ A data set held in tensors (a `TensorDataset`, as digits and synthetic are) is c
 batches by indexing those tensors with the micro-batch's indices: one gather per tensor, where
 a DataLoader fetches every sample on its own and stacks them again (most of a small model's
 step on CPU). On CUDA such a data set is moved to the device once, when it fits
-`DEVICE_RESIDENT_BYTES`, so a step copies nothing from the host but its indices. Any other
-data set goes through a DataLoader with the same sampler.
+`DEVICE_RESIDENT_BYTES`, so a step copies nothing from the host but its indices. A data set
+that cuts a batch itself (`batch(indices)`, as text's windows do) is asked for each batch.
+Any other data set goes through a DataLoader with the same sampler.
 
 A plain DataLoader rather than torchdata's StatefulDataLoader: its state is this rank's
 iterator (micro-batches yielded, to fast-forward, plus per-worker snapshots), which means
@@ -60,8 +61,9 @@ class TrainBatches:
         self.sampler = GlobalOrderSampler(len(dataset), sizes, grad_accum, runtime.rank, seed)
         self.on_cuda = runtime.device.type == "cuda"
         self.tensors = resident_tensors(dataset, runtime.device)
+        self.cut = getattr(dataset, "batch", None)
         self.loader = None
-        if self.tensors is None:
+        if self.tensors is None and self.cut is None:
             self.loader = DataLoader(dataset, batch_sampler=self.sampler, pin_memory=self.on_cuda)
         self.iterator = self.batches()
 
@@ -69,6 +71,8 @@ class TrainBatches:
         """The micro-batches from the sampler's position on, as they come from the data."""
         if self.loader is not None:
             return iter(self.loader)
+        if self.tensors is None:
+            return (self.cut(indices) for indices in self.sampler.index_batches())
         return (tuple(t[indices.to(t.device)] for t in self.tensors)
                 for indices in self.sampler.index_batches())
 
