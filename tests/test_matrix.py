@@ -48,6 +48,7 @@ RUN = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.log_every=5",
 SHORT = {
     "model=gpt": ["model.dim=32", "model.mlp_ratio=2"],
     "data=text": ["data.seq_len=16", "data.val_samples=32"],
+    "data=synthetic": ["data.noise=0.2"],  # classes apart enough for the loss to fall in 10 steps
     "model=cnn": ["model.channels=[8,16]", "model.hidden=32"],
     "compression=onebit": ["compression.warmup_steps=2"],
     "compression=powersgd": ["compression.start_powerSGD_iter=2"],
