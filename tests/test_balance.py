@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 import re
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
+from mgpu.balance.steptime import StepTime, equal_finish_split, fit, remember, slowest_s
 from mgpu.balance.thermal import Thermal
 from mgpu.balance.throughput import proportional_split
 from mgpu.data.digits import Digits
@@ -34,6 +37,73 @@ def test_proportional_split_is_exact_and_keeps_every_rank():
     assert proportional_split([1.0, 1.0, 1.0], 64, 1) == [22, 21, 21]
     assert proportional_split([1000.0, 1.0], 8, 2) == [6, 2]  # the minimum holds
     assert sum(proportional_split([3.3, 1.7, 0.2], 101, 1)) == 101
+
+
+def anywhere(world_size: int, total: int, minimum: int = 1) -> tuple[list[int], list[int]]:
+    """Bounds that leave every split of `total` with shares >= `minimum` open."""
+    return [minimum] * world_size, [total] * world_size
+
+
+def test_equal_finish_split_is_exact_and_keeps_every_rank():
+    straggler = [StepTime(0.0, 1e-3), StepTime(0.0, 2e-3)]  # no fixed cost: proportional
+    assert equal_finish_split(straggler, 64, *anywhere(2, 64)) == [43, 21]
+    assert equal_finish_split([StepTime(2e-3, 1e-4)] * 3, 64, *anywhere(3, 64)) == [22, 21, 21]
+    far = [StepTime(0.0, 1e-6), StepTime(0.0, 1.0)]
+    assert equal_finish_split(far, 8, *anywhere(2, 8, minimum=2)) == [6, 2]  # the minimum holds
+    # Rank 1 pays 10 ms more per step, the same per sample: it takes 10 ms' worth fewer samples.
+    fixed = [StepTime(0.0, 1e-3), StepTime(0.01, 1e-3)]
+    assert equal_finish_split(fixed, 64, *anywhere(2, 64)) == [37, 27]
+    assert equal_finish_split(straggler, 64, [32, 16], [64, 64]) == [43, 21]
+    assert equal_finish_split(straggler, 64, [1, 1], [40, 64]) == [40, 24]  # the bound holds
+
+
+def test_equal_finish_split_has_the_shortest_slowest_rank_of_all_splits():
+    """Against every split, for random lines (fixed costs up to 50 samples' worth)."""
+    rng = random.Random(0)
+    for world_size, total in [(2, 64), (2, 9), (3, 30), (3, 7)]:
+        for _ in range(50):
+            models = [StepTime(rng.uniform(0, 50) * c, c)
+                      for c in (rng.uniform(1e-4, 1e-3) for _ in range(world_size))]
+            split = equal_finish_split(models, total, *anywhere(world_size, total))
+            assert sum(split) == total and min(split) >= 1
+            best = min(slowest_s(models, list(sizes))
+                       for sizes in itertools.product(range(1, total + 1), repeat=world_size)
+                       if sum(sizes) == total)
+            assert slowest_s(models, split) == pytest.approx(best, rel=1e-12), models
+
+
+def test_fit_recovers_the_fixed_and_the_per_sample_cost():
+    line = StepTime(4e-3, 2e-4)
+    history = {}
+    for size in (32, 43, 47, 43):
+        history = remember(history, size, line.at(size), ema=0.5)
+    fitted = fit(history, ema=0.5)
+    assert fitted.fixed_s == pytest.approx(line.fixed_s)
+    assert fitted.per_sample_s == pytest.approx(line.per_sample_s)
+
+
+def test_fit_of_one_size_or_of_noise_is_the_proportional_prior():
+    assert fit({32: (8e-3, 0)}, ema=0.5) == StepTime(0.0, 8e-3 / 32)
+    # Older sizes weigh nothing at ema = 0: only the newest window counts.
+    assert fit({16: (1e-3, 1), 32: (8e-3, 0)}, ema=0.0) == StepTime(0.0, 8e-3 / 32)
+    # A line through these has a negative fixed cost: least squares through the origin instead.
+    fitted = fit({16: (1e-3, 0), 32: (4e-3, 0)}, ema=0.5)
+    assert fitted.fixed_s == 0 and fitted.per_sample_s == pytest.approx(
+        (16 * 1e-3 + 32 * 4e-3) / (16**2 + 32**2))
+    # Bigger batch, shorter step: no cost per sample is noise, not a machine.
+    assert fit({16: (5e-3, 0), 32: (4e-3, 0)}, ema=0.5).fixed_s == 0
+
+
+def test_remember_ages_blends_and_forgets():
+    history = remember({}, 32, 1.0, ema=0.5)
+    history = remember(history, 40, 2.0, ema=0.5)
+    assert history == {32: (1.0, 1), 40: (2.0, 0)}
+    history = remember(history, 32, 3.0, ema=0.5)  # the old 32 weighs 0.5 ** 2
+    assert history == {32: (0.25 * 1.0 + 0.75 * 3.0, 0), 40: (2.0, 1)}
+    for _ in range(5):
+        history = remember(history, 32, 3.0, ema=0.5)
+    assert 40 in history  # weighs 0.5 ** 6 > 1 %
+    assert 40 not in remember(history, 32, 3.0, ema=0.5)  # 0.5 ** 7 < 1 %: forgotten
 
 
 def test_shares_cover_the_single_process_order_with_changing_splits(tmp_path):
