@@ -88,25 +88,25 @@ def test_zero1_resumes_at_another_world_size(tmp_path):
 THROUGHPUT = ["train.steps=8", "train.warmup_steps=2", "train.log_every=4", "eval.every_steps=0",
               "balance=throughput", "balance.warmup_steps=3", "balance.rebalance_every=100",
               "balance.hysteresis=0"]
-REBALANCED = re.compile(r"step 4: split \[32, 32\] -> \[([\d, ]+)\] \(samples/s per rank "
-                        r"\[([\d, ]+)\]\)")
+REBALANCED = re.compile(r"step 4: split \[32, 32\] -> \[([\d, ]+)\] \(slowest rank predicted "
+                        r"[\d.]+ -> [\d.]+ ms; (ms fixed \+ per sample, per rank: [^)]+)\)")
 
 
 @pytest.mark.dist
-def test_throughput_resumes_with_its_split_and_rates(tmp_path):
+def test_throughput_resumes_with_its_split_and_fitted_step_times(tmp_path):
     """Rank 1 twice as slow: the split moves at step 4, once (the next rebalancing would be at
     step 104). The checkpoint at step 6 holds it; rank 1 dies at step 7, and the restarted
-    group goes on with that split and those smoothed rates, not an equal split. Resumed by one
-    rank, the run starts from the equal split and says so."""
+    group goes on with that split and those fitted step times, not an equal split. Resumed by
+    one rank, the run starts from the equal split and says so."""
     killed = tmp_path / "killed"
     summary, _ = launch_job(
         [*THROUGHPUT, "straggler.slowdown=[1.0,2.0]", "checkpoint.every_steps=6",
          "fault.mode=sigkill", "fault.kill_rank=1", "fault.at_step=7", "launch.max_restarts=1"],
         killed)
     log = rank0_log(killed)
-    [(split, rates)] = REBALANCED.findall(log)
+    [(split, fitted)] = REBALANCED.findall(log)
     assert f"resumed from {killed / 'checkpoints' / 'step_00000006'}" in log
-    assert f"balance: resumed with split [{split}] (samples/s per rank [{rates}])" in log
+    assert f"balance: resumed with split [{split}] ({fitted})" in log
     sizes = [int(size) for size in split.split(", ")]
     assert [summary["balance/batch_rank0"], summary["balance/batch_rank1"]] == sizes
     assert summary["balance/rebalances"] == 1

@@ -40,7 +40,7 @@ class StepClock:
         self.slept, self.delayed, self.samples = 0.0, False, 0
         # Running sums since the start; readers keep their own last copy and take differences.
         self.sums = {"steps": 0, "samples": 0, "busy_s": 0.0, "wait_s": 0.0}
-        self.busy_per_sample: list[float] = []  # every resolved step's busy seconds / samples
+        self.busy_s: list[float] = []  # every resolved step's busy seconds
 
     def attach(self, model: nn.Module) -> None:
         """Install the hooks: output → straggler delay; every parameter → gradient-ready stamp."""
@@ -93,5 +93,5 @@ class StepClock:
         self.sums["steps"] += 1
         self.sums["samples"] += samples
         self.sums["busy_s"] += busy
-        self.busy_per_sample.append(busy / max(samples, 1))
+        self.busy_s.append(busy)
         self.sums["wait_s"] += self.clock.seconds(ready, end)

@@ -1,12 +1,16 @@
-"""Thermal/clock-aware split: the throughput split, blended with a prediction from telemetry.
+"""Thermal/clock-aware split: the throughput split, with each rank's speed blended with a
+prediction from telemetry.
 
-Measured samples/s lag behind a GPU that is about to throttle; telemetry leads. Each rank reads
+Measured step times lag behind a GPU that is about to throttle; telemetry leads. Each rank reads
 its GPU through NVML: the SM clock as a fraction of its maximum (a throttled GPU runs slower in
 proportion), reduced further as the temperature comes within `margin_c` degrees of the GPU's
 slowdown threshold (where the clock will drop next). The ranks' predicted speeds are scaled to
-the measured rates' total and blended with them: `telemetry_weight` x predicted +
-(1 - weight) x measured. Without NVML or a GPU on some rank, it is `throughput`, said in one
-log line.
+the measured samples/s' total and blended with them: `telemetry_weight` x predicted +
+(1 - weight) x measured. Each rank's fitted step time (fixed cost + cost per sample, see
+`throughput.py`) is then divided by its blended speed over its measured one before the
+equal-finish split is chosen: a rank expected to slow down is given less work before its
+measurements show it. Without NVML or a GPU on some rank, it is `throughput`, said in one log
+line.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ class Thermal(Throughput):
         self.fallback_logged = False
 
     def speeds(self, measured: torch.Tensor) -> torch.Tensor:
-        """Measured rates blended with telemetry; measured alone where any rank has none."""
+        """Each rank's blend of measured samples/s and telemetry, over the measured samples/s;
+        1 for every rank where any rank has no telemetry."""
         own = predicted_speed(self.runtime.device, self.margin_c)
         predicted = gather_rows([float("nan") if own is None else own], self.runtime)[:, 0]
         if predicted.isnan().any():
@@ -68,6 +73,7 @@ class Thermal(Throughput):
                 log.info("balance=thermal: no NVML telemetry on rank(s) %s; splitting by "
                          "measured throughput alone", predicted.isnan().nonzero()[:, 0].tolist())
                 self.fallback_logged = True
-            return measured
+            return torch.ones_like(measured)
         scaled = predicted * measured.sum() / predicted.sum()
-        return self.telemetry_weight * scaled + (1 - self.telemetry_weight) * measured
+        blended = self.telemetry_weight * scaled + (1 - self.telemetry_weight) * measured
+        return blended / measured

@@ -1,17 +1,24 @@
-"""Throughput-proportional split: faster ranks take more of the (fixed) global batch.
+"""Throughput split: faster ranks take more of the (fixed) global batch, so all finish together.
 
-Each rank measures the samples/s of its own work in the median step of a window (forward +
-backward up to its last local gradient, excluding the wait for peers: see `clock.py`). After
-`warmup_steps` steps, and then every `rebalance_every` steps, the ranks all-gather these rates,
-smooth them (EMA), and every rank computes the same integer split proportional to them. A
-split proportional to throughput makes the ranks finish their work at the same moment, the
-fastest a synchronous step can be. The new split is applied only if some rank's share moves
-by more than `hysteresis` of the global batch, so measurement noise does not make sizes
-oscillate.
+Each rank measures its own work per step (forward + backward up to its last local gradient,
+excluding the wait for peers: see `clock.py`) and takes the median step of a window. After
+`warmup_steps` steps, and then every `rebalance_every` steps, the ranks all-gather these
+medians, and every rank adds them to the same per-rank history of (local batch size, seconds)
+and fits each rank's step time as a fixed cost plus a cost per sample (`steptime.py`), the
+sizes measured longer ago weighing less (`ema`). The split is then the one whose slowest rank
+is predicted to finish first, with no share more than doubled or halved at once (the line is
+trusted near the sizes it was fitted on). It is applied only if that is predicted to shorten
+the slowest rank's time by more than `hysteresis` (a fraction), so measurement noise does not
+make the sizes oscillate, and equal ranks keep the equal split.
 
-A checkpoint holds the split, the smoothed rates, the step count (the rebalancing schedule) and
-the number of rebalancings, so a resumed run goes on from the split it had; at another world
-size it starts from an equal split, said in one log line.
+With no fixed cost this is the proportional split; at small batches, where the fixed part is
+much of a step, the proportional split of measured samples/s moves too little work at once
+and, smoothed across splits, the wrong amount: the fitted line knows what one more sample costs.
+
+A checkpoint holds the split, the history of every rank's measurements, the step count (the
+rebalancing schedule) and the number of rebalancings, so a resumed run fits and splits as the
+uninterrupted one would; at another world size it starts from an equal split, said in one log
+line.
 
 The update stays exact: each micro-batch's loss is weighted by its share of the global batch
 (`loss_divisor`), and the ranks' shares of a step are consecutive slices of the global batch a
@@ -27,6 +34,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from mgpu.balance.equal import EqualSplit
+from mgpu.balance.steptime import (
+    History,
+    StepTime,
+    fit,
+    next_split,
+    remember,
+    slowest_s,
+)
 from mgpu.errors import ConfigError
 from mgpu.runtime import gather_rows
 
@@ -36,22 +51,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def proportional_split(speeds: list[float], total: int, minimum: int) -> list[int]:
-    """Integers >= `minimum`, summing to `total`, proportional to `speeds` (largest remainder).
-
-    Ties go to the lower rank, so every rank computes the same split from the same speeds.
-    """
-    weight = sum(speeds)
-    quotas = [total * s / weight if weight > 0 else total / len(speeds) for s in speeds]
-    sizes = [max(minimum, int(q)) for q in quotas]
-    ranks = range(len(speeds))
-    while sum(sizes) < total:  # the ranks furthest below their quota get one more
-        sizes[min(ranks, key=lambda r: (sizes[r] - quotas[r], r))] += 1
-    while sum(sizes) > total:  # raising some to the minimum overshot: take from the furthest above
-        sizes[max((r for r in ranks if sizes[r] > minimum),
-                  key=lambda r: (sizes[r] - quotas[r], -r))] -= 1
-    return sizes
-
+def describe(models: list[StepTime]) -> str:
+    """The fitted step times for a log line."""
+    if not models:
+        return "no step times fitted yet"
+    return "ms fixed + per sample, per rank: " + ", ".join(
+        f"{1e3 * m.fixed_s:.3g} + {1e3 * m.per_sample_s:.3g}" for m in models)
 
 class Throughput(EqualSplit):
     uneven = True
@@ -80,7 +85,8 @@ class Throughput(EqualSplit):
         self.step = 0  # steps so far, resumed from checkpoints: the rebalancing schedule
         self.steps_here = 0  # steps this process ran: its first two are not measured
         self.measured_from: int | None = None  # first step of the window in the clock's list
-        self.smoothed: torch.Tensor | None = None
+        self.history: list[History] = []  # per rank, the same on every rank: see `steptime.py`
+        self.models: list[StepTime] = []  # per rank, fitted at the last rebalancing
         self.rebalances = 0
 
     def validate(self, job: Job, options: Options) -> None:
@@ -101,48 +107,62 @@ class Throughput(EqualSplit):
         self.steps_here += 1
         if self.steps_here == 3:  # not measured: this process's step 1 (lazy set-up) and step 2
             self.clock.totals()  # (whose simulated straggler delay is based on step 1)
-            self.measured_from = len(self.clock.busy_per_sample)
+            self.measured_from = len(self.clock.busy_s)
         done = self.step - 1
         if done >= self.warmup_steps and (done - self.warmup_steps) % self.rebalance_every == 0:
             self.rebalance()
         super().before_step()
 
     def rebalance(self) -> None:
-        """All ranks: gather the rates of the last window, smooth them, maybe apply a new split."""
+        """All ranks: gather every rank's median step of the last window, then `update`."""
         self.clock.totals()  # resolves the last step
         measured = self.measured_from is not None
-        window = self.clock.busy_per_sample[self.measured_from :] if measured else []
-        self.measured_from = len(self.clock.busy_per_sample) if measured else None
+        window = self.clock.busy_s[self.measured_from :] if measured else []
+        self.measured_from = len(self.clock.busy_s) if measured else None
         # The median step, not the mean: a rank descheduled for one step (a busy neighbour, a
         # page fault) would otherwise look slow for the whole window.
-        seconds = statistics.median(window) if window else 0.0
-        rates = gather_rows([1 / seconds if seconds > 0 else 0.0], self.runtime)[:, 0]
-        if not rates.all():  # no step measured yet (a resumed run's first two): keep the split
-            return
-        if self.smoothed is None:
-            self.smoothed = rates
-        else:
-            self.smoothed = self.ema * self.smoothed + (1 - self.ema) * rates
-        sizes = proportional_split(self.speeds(self.smoothed).tolist(), self.global_batch,
-                                   self.grad_accum)
-        moved = max(abs(new - old) for new, old in zip(sizes, self.sizes, strict=True))
-        if moved > self.hysteresis * self.global_batch:
-            log.info("step %d: split %s -> %s (samples/s per rank %s)", self.step, self.sizes,
-                     sizes, [round(r) for r in self.smoothed.tolist()])
+        medians = gather_rows([statistics.median(window) if window else 0.0], self.runtime)[:, 0]
+        if medians.all():  # else no step measured yet (a resumed run's first two): keep the split
+            self.update(medians.tolist())
+
+    def update(self, medians: list[float]) -> None:
+        """Each rank's median busy seconds at its current size, the same on every rank: add them
+        to the history, fit every rank's step time, and apply the equal-finish split if it
+        gains more than the hysteresis."""
+        histories = self.history or [{} for _ in self.sizes]
+        self.history = [remember(history, size, seconds, self.ema) for history, size, seconds
+                        in zip(histories, self.sizes, medians, strict=True)]
+        rates = torch.tensor(self.sizes, dtype=torch.float64) / torch.tensor(medians)
+        self.models = [fit(history, self.ema).scaled(speed)
+                       for history, speed in zip(self.history, self.speeds(rates).tolist(),
+                                                 strict=True)]
+        sizes = next_split(self.models, self.sizes, self.global_batch, self.grad_accum,
+                           self.hysteresis)
+        if sizes != self.sizes:
+            log.info("step %d: split %s -> %s (slowest rank predicted %.2f -> %.2f ms; %s)",
+                     self.step, self.sizes, sizes, 1e3 * slowest_s(self.models, self.sizes),
+                     1e3 * slowest_s(self.models, sizes), describe(self.models))
             self.sizes = sizes
             self.loader.set_sizes(sizes)
             self.rebalances += 1
 
     def speeds(self, measured: torch.Tensor) -> torch.Tensor:
-        """What the split is proportional to: here the smoothed measured samples/s."""
-        return measured
+        """How many times faster each rank is expected to run than it just did, given the
+        samples/s it measured: here 1, the measurements are the whole prediction."""
+        return torch.ones_like(measured)
 
     def metrics(self) -> dict[str, float]:
-        return {**super().metrics(), "balance/rebalances": float(self.rebalances)}
+        """The base metrics, the number of rebalancings and each rank's fitted step time."""
+        fitted = {}
+        for rank, model in enumerate(self.models):
+            fitted[f"balance/fixed_s_rank{rank}"] = model.fixed_s
+            fitted[f"balance/per_sample_s_rank{rank}"] = model.per_sample_s
+        return {**super().metrics(), "balance/rebalances": float(self.rebalances), **fitted}
 
     def state_dict(self) -> dict:
         return {"world_size": self.runtime.world_size, "sizes": list(self.sizes), "step": self.step,
-                "smoothed": self.smoothed, "rebalances": self.rebalances}
+                "history": [dict(history) for history in self.history],
+                "models": [tuple(model) for model in self.models], "rebalances": self.rebalances}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("world_size") != self.runtime.world_size:
@@ -152,8 +172,9 @@ class Throughput(EqualSplit):
                      self.runtime.world_size)
             return
         self.step, self.rebalances = state["step"], state["rebalances"]
-        self.smoothed = state["smoothed"]
         self.sizes = list(state["sizes"])
+        # A checkpoint written before step times were fitted holds no history: fit afresh.
+        self.history = [dict(history) for history in state.get("history", [])]
+        self.models = [StepTime(*model) for model in state.get("models", [])]
         self.loader.set_sizes(self.sizes)
-        log.info("balance: resumed with split %s (samples/s per rank %s)", self.sizes,
-                 None if self.smoothed is None else [round(r) for r in self.smoothed.tolist()])
+        log.info("balance: resumed with split %s (%s)", self.sizes, describe(self.models))
