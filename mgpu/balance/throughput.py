@@ -58,6 +58,7 @@ def describe(models: list[StepTime]) -> str:
     return "ms fixed + per sample, per rank: " + ", ".join(
         f"{1e3 * m.fixed_s:.3g} + {1e3 * m.per_sample_s:.3g}" for m in models)
 
+
 class Throughput(EqualSplit):
     uneven = True
     measures = True
