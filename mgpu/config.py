@@ -150,6 +150,10 @@ class Job:
     optim: dict[str, Any] = MISSING
     task: dict[str, Any] = MISSING
 
+    def groups(self) -> dict[str, dict[str, Any]]:
+        """The group nodes by group name, as `Options.of` builds them."""
+        return {group: getattr(self, group) for group in GROUPS}
+
     def as_dict(self) -> dict[str, Any]:
         """Plain nested dicts and lists: for MLflow params and the run's config.yaml."""
         return dataclasses.asdict(self)
@@ -376,12 +380,11 @@ class Options:
     model_node: dict[str, Any]
 
     @classmethod
-    def of(cls, nodes: Job | Mapping[str, Any]) -> Options:
-        """Every group option of `nodes` (a `Job`, or the checked group nodes before one is
-        typed), built through `build`."""
-        node = (lambda g: getattr(nodes, g)) if isinstance(nodes, Job) else nodes.__getitem__
-        built = {g: build(node(g)) for g in GROUPS if g != "model"}
-        return cls(**built, model_node=node("model"))
+    def of(cls, nodes: Mapping[str, Any]) -> Options:
+        """Every group option of `nodes` (a job's group nodes by group name: the checked
+        values in `prepare`, `job.groups()` after), built through `build`."""
+        built = {g: build(nodes[g]) for g in GROUPS if g != "model"}
+        return cls(**built, model_node=nodes["model"])
 
     def model(self, **runtime_args: Any) -> Any:
         """The configured model, with the arguments only a worker knows (`input_shape`,
@@ -429,7 +432,7 @@ def prepare(
     check_monitor(job)
     check_straggler(job)
     for group in GROUPS:
-        option = getattr(options, group, None)
+        option = None if group == "model" else getattr(options, group)
         if hasattr(option, "validate"):
             option.validate(job, options)
     return check_checkpoint(job), options

@@ -94,7 +94,7 @@ class Trainer:
 
         `options` are the job's options as the process built them once (`start_task`); a
         test or script that starts here gets them built from `job`."""
-        options = options or Options.of(job)
+        options = options or Options.of(job.groups())
         torch.manual_seed(job.seed)  # same initial weights on every rank
         data, precision, strategy = options.data, options.precision, options.strategy
         train_set, val_set = data.splits(job.seed)

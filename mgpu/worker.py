@@ -27,7 +27,7 @@ def main(job: Job, run_id: str | None, env: dict[str, str] | None = None) -> dic
     os.environ.update(env or {})
     runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
-        return start_task(job, Options.of(job), runtime, run_id)
+        return start_task(job, Options.of(job.groups()), runtime, run_id)
     finally:
         shutdown()
 

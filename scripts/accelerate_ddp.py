@@ -7,7 +7,6 @@ backend and wraps the model in DDP. Run with
 JSON line.
 """
 
-import argparse
 import json
 import os
 import time
@@ -15,36 +14,21 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from plain_ddp import arguments, digits_train_set, mlp  # the job's definition: the same for both
+from torch.utils.data import DataLoader
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    args = parser.parse_args()
-
+    args = arguments()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     world = accelerator.num_processes
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     torch.manual_seed(0)
 
-    images, labels = load_digits(return_X_y=True)
-    x, _, y, _ = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
-    data = TensorDataset(
-        torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0, torch.tensor(y)
-    )
+    data = digits_train_set()
     # Accelerate shards the loader over the processes: each takes batch // world per step.
     loader = DataLoader(data, batch_size=args.batch // world, shuffle=True, drop_last=True)
-    model = nn.Sequential(
-        nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-        nn.Linear(256, 10),
-    )
+    model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 

@@ -20,32 +20,44 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
+    """The job's settings, shared with the other peers (`scripts/accelerate_ddp.py`)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def digits_train_set() -> TensorDataset:
+    """mgpu's digits training split: the same stratified split, scaled to 0..1."""
+    images, labels = load_digits(return_X_y=True)
+    x, _, y, _ = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
+    return TensorDataset(
+        torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0, torch.tensor(y)
+    )
+
+
+def mlp() -> nn.Module:
+    """mgpu's default model: MLP 64-256-256-10."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+        nn.Linear(256, 10),
+    )
+
+
+def main() -> None:
+    args = arguments()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     torch.manual_seed(0)
 
-    images, labels = load_digits(return_X_y=True)
-    x, _, y, _ = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
-    data = TensorDataset(
-        torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0, torch.tensor(y)
-    )
+    data = digits_train_set()
     sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(data, batch_size=args.batch // world, sampler=sampler, drop_last=True)
-
-    model = nn.Sequential(
-        nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-        nn.Linear(256, 10),
-    )
-    model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    model = DistributedDataParallel(mlp(), gradient_as_bucket_view=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     step, epoch, start = 0, 0, None

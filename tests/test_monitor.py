@@ -47,7 +47,7 @@ def test_peak_table_picks_dense_peaks_by_name_and_dtype():
 
 
 def test_no_mfu_on_cpu(tmp_path):
-    options = Options.of(make_job([], tmp_path))
+    options = Options.of(make_job([], tmp_path).groups())
     cpu = torch.device("cpu")
     assert MFU.for_run(options.model, options.data, cpu, options.precision, world_size=2) is None
 
