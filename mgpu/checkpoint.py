@@ -131,7 +131,8 @@ def check_checkpoint(job: Job) -> Job:
     """Checkpoint settings and `resume`, checked in the parent; returns the job with its paths
     made absolute.
 
-    `resume=<path>` is replaced by the checkpoint folder it names. A run that does not resume
+    `resume=<path>` is replaced by the checkpoint folder it names, checked here: the run loads
+    exactly that one (see `resume_source`). A run that does not resume
     from `checkpoint.dir` must not write into one that holds checkpoints: it would replace them.
     """
     cfg = job.checkpoint
@@ -151,8 +152,8 @@ def check_checkpoint(job: Job) -> Job:
         reason = problem(path)
         if reason:
             raise ConfigError(
-                f"resume={resume}: not a valid checkpoint ({reason}); give a step_* folder of a "
-                "checkpoint.dir, a checkpoint.dir, auto or none"
+                f"resume={resume}: not a valid checkpoint ({reason}); give another (older) "
+                "step_* folder, a checkpoint.dir (its newest valid one), auto or none"
             )
         job = dataclasses.replace(job, resume=str(path))
     if committed(root) and Path(job.resume).parent != root:
@@ -163,13 +164,45 @@ def check_checkpoint(job: Job) -> Job:
     return job
 
 
+def restart_count() -> int:
+    """How many times this invocation's worker group was restarted (0: its first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def resume_source(cfg: CheckpointConf, resume: str, report: bool = True) -> Path | None:
-    """The checkpoint a (re)started run loads: the newest valid one in `checkpoint.dir`, else
-    the one `resume=<path>` names, else none. Restarted worker groups land here too."""
+    """The checkpoint a (re)started run loads.
+
+    A first attempt with `resume=<path>` loads exactly that checkpoint, even where newer ones
+    exist (a roll-back). Otherwise — `resume=auto`, and every restarted worker group, which
+    must go on from the run's own newest save — the newest valid one in `checkpoint.dir`, else
+    the one `resume=<path>` names, else none.
+    """
+    named = resume not in ("auto", "none")
+    if named and restart_count() == 0:
+        return Path(resume)
     newest = newest_valid(Path(cfg.dir), report)
     if newest is not None:
         return newest
-    return Path(resume) if resume not in ("auto", "none") else None
+    return Path(resume) if named else None
+
+
+def set_aside_newer(root: Path, source: Path, token: str) -> None:
+    """Rolling back to `source` in `root`: the checkpoints after it belong to the abandoned
+    timeline. They are moved, untouched, into one folder beside them, so that pruning cannot
+    delete the resumed-from checkpoint to make room for them, `resume=auto` does not pick them
+    over the resumed run's own saves, and nothing is deleted."""
+    if source.parent != root or not COMMITTED.match(source.name):
+        return
+    newer = [p for p in committed(root) if p.name > source.name]  # step_<8 digits>: by name
+    if not newer:
+        return
+    aside = root / f"abandoned_after_{source.name}.{token}"
+    aside.mkdir()
+    for path in newer:
+        path.rename(aside / path.name)
+    fsync_dir(root)
+    log.info("resume=%s rolls back: the newer checkpoints %s were moved to %s",
+             source, ", ".join(p.name for p in reversed(newer)), aside)
 
 
 def resumed_run_id(cfg: CheckpointConf, resume: str) -> str | None:
@@ -415,6 +448,8 @@ class Checkpointer:
     def restore(self, trainer: Trainer) -> int:
         """Load the checkpoint to resume from (rank 0 picks it); returns its step, or 0."""
         found = resume_source(self.cfg, self.resume) if self.runtime.is_main else None
+        if found is not None and self.resume not in ("auto", "none") and restart_count() == 0:
+            set_aside_newer(self.root, found, self.token)
         [source] = self._shared([str(found) if found else None])
         if source is None:
             return 0

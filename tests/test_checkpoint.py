@@ -19,6 +19,7 @@ from mgpu.checkpoint import (
     Checkpointer,
     SafeReader,
     check_checkpoint,
+    committed,
     newest_valid,
     problem,
     step_dir,
@@ -156,6 +157,32 @@ def test_resume_at_world_size_one_skips_a_truncated_checkpoint(uninterrupted, tm
     assert list(root.glob("step_00000030.skipped.*")), "the broken checkpoint was not kept"
 
 
+@pytest.mark.dist
+def test_resume_from_an_older_step_rolls_back_and_sets_the_newer_ones_aside(
+    uninterrupted, tmp_path
+):
+    """resume= the oldest of three checkpoints: the run goes on from that step, not from the
+    newest, and ends as the uninterrupted run did. The checkpoints after it (the abandoned
+    timeline) are moved, intact, into one folder that neither resume=auto nor pruning sees."""
+    saved, _, clean_weights = uninterrupted
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    run = tmp_path / "run"
+    _, weights = launch_job(
+        [*CKPT, f"checkpoint.dir={root}", f"resume={root / 'step_00000010'}"], run
+    )
+    log = (run / "logs" / "rank0.log").read_text()
+    assert f"resumed from {root / 'step_00000010'} (step 10, saved at world size 2)" in log
+    for name in clean_weights:
+        assert torch.equal(weights[name], clean_weights[name]), name
+    [aside] = root.glob("abandoned_after_step_00000010.*")
+    assert f"moved to {aside}" in log
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000020", "step_00000030"]
+    assert all(problem(p) is None for p in aside.iterdir())
+    # The resumed run saved its own 20 and 30 beside the step it resumed from.
+    assert [p.name for p in committed(root)] == ["step_00000030", "step_00000020", "step_00000010"]
+
+
 # ---- which checkpoint is picked: the manifest, without a process group ----------------------
 
 
@@ -194,7 +221,9 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(tmp_path, caplog):
     assert "step_00000020" in report and ".metadata does not match its SHA-256" in report
     job = make_job(["resume=none"], tmp_path / "a")
     job = dataclasses.replace(job, resume=str(root / "step_00000020"))
-    with pytest.raises(ConfigError, match="not a valid checkpoint"):
+    with pytest.raises(ConfigError, match=r"^resume=\S+step_00000020: not a valid checkpoint "
+                       r"\(.metadata does not match its SHA-256\); give another \(older\) "
+                       r"step_\* folder, [^\n]*$"):
         check_checkpoint(job)
     # A shard cut short: the size alone gives it away, before any hashing.
     shard = root / "step_00000010" / "__0_0.distcp"
