@@ -8,12 +8,14 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from mgpu.config import Options
@@ -22,6 +24,7 @@ from mgpu.monitor.comm import CommMeter
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
 from mgpu.monitor.prometheus import free_port
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
+from mgpu.monitor.timing import WallClock, in_flight_s
 from mgpu.options import build
 from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
 
@@ -111,6 +114,92 @@ def test_comm_timing_wraps_the_hook_a_compression_registers(tmp_path):
     assert "comm/bytes_per_step" not in half and "comm/bandwidth_GBps" not in half
     for summary in (plain, half):
         assert summary["comm/allreduce_s"] > 0
+
+
+def test_allreduce_time_is_the_wall_time_some_bucket_is_in_flight():
+    """Buckets queue behind each other, so their (launch, completion) intervals overlap: the
+    step's communication time is the length of their union, not their sum."""
+    seconds = WallClock().seconds
+    # Two overlapping, one inside them, one after a gap; in launch order, as the hook sees them.
+    intervals = [(10.0, 12.0), (10.5, 13.0), (11.0, 11.5), (14.0, 14.25)]
+    assert in_flight_s(intervals, seconds) == 3.25  # [10, 13] and [14, 14.25]; their sum: 5.25
+    assert in_flight_s([(1.0, 4.0), (2.0, 3.0)], seconds) == 3.0
+    assert in_flight_s([], seconds) == 0.0
+
+
+HOLD_S = 0.1  # how long each bucket stays in flight after its all-reduce
+FORWARD_S = 0.025  # a forward pass that takes at least this long
+
+
+class HeldAllReduce:
+    """A compression of the test's own: each bucket is all-reduced plainly, and its future
+    completes `HOLD_S` later, from a timer thread. So every bucket is in flight for at least
+    `HOLD_S`, and a step's buckets are in flight together: their intervals overlap by
+    construction. Counts its bytes on the wire (2 ranks: a ring all-reduce sends the bucket)."""
+
+    needs_comm_hook = True
+    stateful = False
+    exact = True
+
+    def __init__(self) -> None:
+        self.bytes, self.steps = 0, 0
+
+    def comm_hook(self, model: torch.nn.Module) -> tuple:
+        def held(state, bucket):
+            buffer = bucket.buffer().div_(dist.get_world_size())
+            dist.all_reduce(buffer)
+            self.bytes += buffer.numel() * buffer.element_size()
+            future = torch.futures.Future()
+            threading.Timer(HOLD_S, future.set_result, args=(buffer,)).start()
+            return future
+
+        return None, held
+
+    def begin_step(self, grad_scale: torch.Tensor | None) -> None:
+        pass
+
+    def end_step(self, applied: bool) -> None:
+        self.steps += 1
+
+    def metrics(self) -> dict:
+        per_step = self.bytes / self.steps
+        self.bytes, self.steps = 0, 0
+        return {"comm/bytes_per_step": per_step}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class SlowForwardMLP(MLP):
+    """The MLP, with every training forward taking at least `FORWARD_S`: each step holds
+    that much time outside communication."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(FORWARD_S)
+        return super().forward(x)
+
+
+@pytest.mark.dist
+def test_allreduce_time_is_bounded_by_the_hold_and_the_step(tmp_path):
+    """Buckets held in flight together for `HOLD_S` each: the logged all-reduce time is at
+    least `HOLD_S` (some bucket is in flight that long) and at most the step time measured by
+    the loop's own clock, which also holds a forward of `FORWARD_S` (added up per bucket it
+    would be about `HOLD_S` times the number of buckets). The bandwidth divides the bytes by
+    that time, so it lies between bytes per step time and bytes per `HOLD_S`."""
+    summary, _ = launch_job(
+        ["train.steps=8", "train.warmup_steps=4", "train.log_every=4", "eval.every_steps=0",
+         "checkpoint.every_steps=0", "monitor.enabled=true", "model.hidden=[1024,1024]",
+         "network.bucket_cap_mb=0.01", "model._target_=tests.test_monitor.SlowForwardMLP",
+         "compression._target_=tests.test_monitor.HeldAllReduce"], tmp_path)
+    # Steps 5-8: the last window (all-reduce time) and the timed steps (step time) agree.
+    step_s = 64 / summary["train/samples_per_s"]
+    assert HOLD_S <= summary["comm/allreduce_s"] <= step_s, (summary["comm/allreduce_s"], step_s)
+    wire = summary["comm/bytes_per_step"]
+    assert wire / step_s <= summary["comm/bandwidth_GBps"] * 1e9 <= wire / HOLD_S
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU driver")

@@ -118,9 +118,12 @@ class Monitor:
     def across_ranks(self, table: np.ndarray, wire_bytes: float | None) -> dict[str, float]:
         """Stragglers, communication and telemetry of the window, from the gathered table.
 
-        `wire_bytes` is what the compression counted on the wire per step (None where it
-        counts nothing): the bandwidth divides those bytes, not the gradient bytes the hook
-        was handed, by the time the hook's collectives took.
+        `comm/allreduce_s` is the wall time per step during which at least one of the hook's
+        collectives was in flight (launch to completion, overlapping buckets counted once),
+        mean over ranks. `wire_bytes` is what the compression counted on the wire per step
+        (None where it counts nothing): the bandwidth divides those bytes, not the gradient
+        bytes the hook was handed, by that time, so it is the rate at which the step's
+        gradients crossed the wire while any of them did.
         """
         compute, allreduce = table[:, 0], table[:, 1]
         out = {}

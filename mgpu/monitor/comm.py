@@ -3,7 +3,9 @@
 DDP calls its comm hook once per gradient bucket, as soon as the bucket's gradients are ready,
 and waits for the returned future at the end of backward. Wrapping the hook therefore sees
 each collective's launch (the first launch of a step ends that rank's compute before
-communication) and its completion (a callback on the future). The bytes those collectives put
+communication) and its completion (a callback on the future). Buckets queue behind each other on
+the process group, so these intervals overlap: the step's communication time is their union
+(`mgpu.monitor.timing.in_flight_s`), not their sum. The bytes those collectives put
 on the wire depend on what the hook sends and by which collective: the compression counts
 them (`mgpu/compression/commhook.py`), and the monitor divides them by the time measured here.
 

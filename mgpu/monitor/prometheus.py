@@ -88,7 +88,8 @@ class Exporter:
         self.phase = gauge(
             "mgpu_phase_duration_seconds", "mean time per step in each phase", "phase")
         self.comm_seconds = gauge(
-            "mgpu_allreduce_duration_seconds", "all-reduce time per step (sum over buckets)")
+            "mgpu_allreduce_duration_seconds",
+            "wall time per step during which some gradient all-reduce was in flight")
         self.comm_bytes = counter(
             "mgpu_comm_bytes", "bytes this rank put on the wire to synchronise gradients")
         self.device = {key: gauge(name, doc) for key, (name, doc, _) in DEVICE_SERIES.items()}

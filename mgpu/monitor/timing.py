@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -46,6 +47,28 @@ class CudaClock:
 def clock_for(device: torch.device) -> WallClock | CudaClock:
     """The marks for `device`: every timer in mgpu stamps with these, so figures agree."""
     return CudaClock() if device.type == "cuda" else WallClock()
+
+
+def in_flight_s(intervals: list[tuple[Any, Any]], seconds: Callable[[Any, Any], float]) -> float:
+    """Wall time during which at least one of `intervals` ((start, end) marks, `seconds`
+    between two marks) was in flight: the length of their union.
+
+    A step's gradient buckets are launched as backward goes and run one after another on the
+    process group, so each bucket's launch-to-completion interval includes its wait behind the
+    earlier ones: added up, they count the same wall time several times over.
+    """
+    if not intervals:
+        return 0.0
+    origin = intervals[0][0]  # marks compare only through `seconds` (CUDA events)
+    spans = sorted((seconds(origin, start), seconds(origin, end)) for start, end in intervals)
+    total = 0.0
+    first, last = spans[0]
+    for start, end in spans[1:]:
+        if start > last:  # a gap: close the union's current piece
+            total += last - first
+            first = start
+        last = max(last, end)
+    return total + last - first
 
 
 class NullTimer:
@@ -131,7 +154,7 @@ class PhaseTimer:
             times["compute_before_comm"] = (
                 seconds(step_start, first_comm) if first_comm is not None else math.nan
             )
-            times["allreduce"] = sum(seconds(start, end) for start, end in collectives)
+            times["allreduce"] = in_flight_s(collectives, seconds)
             if step > self.warmup_steps:
                 if self.run_steps == len(self.run):
                     self.run = np.concatenate([self.run, np.empty_like(self.run)])
