@@ -375,6 +375,7 @@ class Checkpointer:
         self.pending: Future | None = None
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="mgpu-ckpt")
         self.blocked_s: list[float] = []  # how long each save held up training
+        self.valid: set[str] = set()  # names of checkpoints found or made intact (rank 0)
 
     def _shared(self, objects: list) -> list:
         """Rank 0's `objects` on every rank."""
@@ -434,16 +435,39 @@ class Checkpointer:
             final.rename(final.with_name(f"{final.name}.skipped.{self.token}"))
         partial.rename(final)
         fsync_dir(self.root)
+        self.valid.add(final.name)
         log.info("checkpoint step %d committed: %s", step, final)
         self.prune(step)
 
     def prune(self, newest: int) -> None:
-        """Keep the newest `keep_last` checkpoints; remove partial folders older than `newest`."""
-        for old in committed(self.root)[self.keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the newest `keep_last` valid checkpoints up to `newest` (just committed, so
+        always kept); delete the older ones and partial folders older than `newest`.
+
+        Only valid checkpoints count: a corrupt one would otherwise take the place of a valid
+        one that resume needs. Checkpoints after `newest` exist only where resume skipped them
+        as corrupt: they are neither counted nor deleted (saving their step sets them aside).
+        """
+        current = step_dir(self.root, newest)
+        kept = 0
+        for path in committed(self.root):
+            if path.name > current.name:
+                continue
+            if kept >= self.keep_last:
+                shutil.rmtree(path, ignore_errors=True)
+            elif self.is_valid(path):
+                kept += 1
         for path in self.root.glob("step_*.partial.*"):
             if int(path.name[5:13]) < newest:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def is_valid(self, path: Path) -> bool:
+        """Whether the checkpoint at `path` is intact; each is hashed at most once per run (the
+        ones this run committed are known to be)."""
+        if path.name not in self.valid:
+            if problem(path) is not None:
+                return False
+            self.valid.add(path.name)
+        return True
 
     def restore(self, trainer: Trainer) -> int:
         """Load the checkpoint to resume from (rank 0 picks it); returns its step, or 0."""

@@ -186,12 +186,13 @@ def test_resume_from_an_older_step_rolls_back_and_sets_the_newer_ones_aside(
 # ---- which checkpoint is picked: the manifest, without a process group ----------------------
 
 
-def commit_checkpoints(root: Path, steps: list[int]) -> None:
+def commit_checkpoints(root: Path, steps: list[int], keep_last: int = 0) -> None:
     """Checkpoints at `steps` under `root` as a run commits them: DCP writes the shards and
     `.metadata` into a partial folder (here one process's save), then rank 0's commit records
     each file's size and SHA-256 in the manifest and renames the folder into place. Picking
     and refusing read only those files, so no process group is needed to test them."""
-    cfg = CheckpointConf(dir=str(root), every_steps=10, keep_last=len(steps), async_save=False)
+    cfg = CheckpointConf(dir=str(root), every_steps=10, keep_last=keep_last or len(steps),
+                         async_save=False)
     checkpointer = Checkpointer(cfg, "auto", Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
     for step in steps:
         partial = root / f"{step_dir(root, step).name}.partial.{checkpointer.token}"
@@ -232,6 +233,31 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_picked(tmp_path, caplog):
     assert problem(root / "step_00000010") == (
         f"__0_0.distcp has {size // 2} bytes, {size} were written")
     assert newest_valid(root, report=False) is None
+
+
+def truncate_shard(checkpoint: Path) -> None:
+    shard = checkpoint / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_pruning_counts_only_valid_checkpoints_and_keeps_the_one_just_committed(tmp_path):
+    root = tmp_path / "checkpoints"
+    # A corrupt newer checkpoint (resume skipped it): with keep_last=1 the run's own step 25
+    # is the one to keep; the corrupt 30 is kept for inspection, not counted.
+    commit_checkpoints(root, [10, 20, 30])
+    truncate_shard(root / "step_00000030")
+    commit_checkpoints(root, [25], keep_last=1)
+    assert [p.name for p in committed(root)] == ["step_00000030", "step_00000025"]
+    assert problem(root / "step_00000025") is None
+    # A corrupt older checkpoint does not count towards keep_last=2: the valid 10 stays.
+    shutil.rmtree(root)
+    commit_checkpoints(root, [10, 20])
+    truncate_shard(root / "step_00000020")
+    commit_checkpoints(root, [30], keep_last=2)
+    assert newest_valid(root, report=False) == root / "step_00000030"
+    assert [p.name for p in committed(root)] == ["step_00000030", "step_00000020", "step_00000010"]
+    assert problem(root / "step_00000010") is None
 
 
 def test_run_without_resume_refuses_a_checkpoint_dir_it_would_overwrite(tmp_path):
