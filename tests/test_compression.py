@@ -157,6 +157,20 @@ def test_a_nonfinite_step_is_skipped_once_and_compression_memories_stay_finite(o
     assert all(w.isfinite().all() for w in weights.values())
 
 
+@pytest.mark.dist
+def test_powersgd_survives_a_skipped_first_compressed_step(tmp_path):
+    """Under amp a first compressed step that overflows is skipped: the memories torch created
+    in it are taken back whole, and the next step starts PowerSGD afresh."""
+    summary, weights = launch_job(
+        [*QUICK, "train.steps=8", "compression=powersgd", "compression.start_powerSGD_iter=2",
+         "fault.mode=nonfinite_grad", "fault.at_step=3", "fault.kill_rank=1",
+         "checkpoint.every_steps=0"], tmp_path)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "step 3: non-finite loss or gradient" in log
+    assert math.isfinite(summary["eval/loss"])
+    assert all(w.isfinite().all() for w in weights.values())
+
+
 def saved_rank_state(path: Path, rank: int) -> dict:
     """What rank `rank` saved of its own (RNG, compression) in the checkpoint at `path`."""
     state = {f"rank{rank}": b""}

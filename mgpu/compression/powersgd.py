@@ -79,8 +79,9 @@ class PowerSGD(CommHookCompression):
         # {"error": {name: values}, "q": {name: Q factor, flat}}
         self.by_name: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
         self.steps = 0  # synchronised steps of this process
-        # bucket index -> (error memory, copy of Q memory) before this step, None where absent
-        self.before: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # bucket index -> (error memory, copy of Q memory, P memory) before this step, None
+        # where absent
+        self.before: dict[int, tuple[torch.Tensor | None, ...]] = {}
 
     def comm_hook(self, model: nn.Module) -> CommHook:
         module = getattr(model, "module", model)
@@ -94,16 +95,20 @@ class PowerSGD(CommHookCompression):
     def end_step(self, applied: bool) -> None:
         """A skipped step leaves the memories as they were before it."""
         if not applied and self.state is not None:
-            for index, (error, q) in self.before.items():
+            for index, (error, q, p) in self.before.items():
                 restore(self.state.error_dict, index, error)
                 restore(self.state.q_memory_dict, index, q)
+                # torch draws P and Q afresh only where P is absent: a skipped first step
+                # must take both away, or the next one finds P without its Q.
+                restore(self.state.p_memory_dict, index, p)
         self.before.clear()
 
     def hook(self, state, bucket):
         self.follow_layout(state, bucket)
         index, scale = bucket.index(), self.grad_scale
         error, q = state.error_dict.get(index), state.q_memory_dict.get(index)
-        self.before[index] = (error, None if q is None else q.clone())
+        self.before[index] = (error, None if q is None else q.clone(),
+                              state.p_memory_dict.get(index))
         if scale is not None and error is not None:
             state.error_dict[index] = error * scale
         # torch tallies the elements it all-reduces for each tensor: the plain ones, or the P
