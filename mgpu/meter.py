@@ -85,6 +85,10 @@ class StepMeter:
     for the device (the last step's queued work belongs to that step) and then leaves the
     stall out of every step figure. Losses stay on the device until a log point, so recording
     adds no device synchronisation.
+
+    Warm-up is the first `warmup_steps` steps this meter records, whatever their global step
+    numbers: a run resumed from a checkpoint starts cold again (allocator, caches, the
+    process group's first collectives), so its first steps warm up as a fresh run's do.
     """
 
     def __init__(
@@ -105,13 +109,17 @@ class StepMeter:
         self.window_steps = 0
         self.last = time.perf_counter()
         self.last_measured = False  # whether the last recorded step is one of `durations`
+        self.first_step: int | None = None  # the first step this process ran
 
     def record(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
         """Step `step` ended; `loss_sum` is this rank's loss summed over its `samples` samples."""
         now = time.perf_counter()
-        self._add(now - self.last, measured=step > self.warmup_steps)
+        if self.first_step is None:
+            self.first_step = step
+        ran = step - self.first_step + 1  # steps of this process (since start or resume)
+        self._add(now - self.last, measured=ran > self.warmup_steps)
         self.last = now
-        if step == self.warmup_steps and self.other_load:
+        if ran == self.warmup_steps and self.other_load:
             self.other_load.start()
         self.window_losses.append(loss_sum)
         self.window_samples += samples

@@ -17,8 +17,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from mgpu import tracking
 from mgpu.config import Job
 from mgpu.launch import launch
-from mgpu.meter import OtherLoad
+from mgpu.meter import OtherLoad, StepMeter
 from mgpu.model.mlp import MLP
+from mgpu.monitor.timing import PhaseTimer
 from mgpu.options import build
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
@@ -198,3 +199,21 @@ def test_other_load_counts_a_process_outside_the_job_and_not_the_jobs_own(monkey
         assert load.job_cpu_s() - before >= 0.5  # of its 2 s, the spinning child's CPU time
     finally:
         own.kill()
+
+
+def test_warmup_counts_the_steps_of_this_process_after_a_resume():
+    """A run resumed after step 10 with `train.warmup_steps=3` warms up again: its first 3
+    steps (11-13, cold caches and all) stay out of the step and phase figures, and the
+    machine's other load is measured over the 7 steps after them, so it is logged."""
+    cpu = torch.device("cpu")
+    meter = StepMeter(64, warmup_steps=3, device=cpu, other_load=OtherLoad())
+    timer = PhaseTimer(cpu, warmup_steps=3)
+    for step in range(11, 21):
+        with timer.phase("forward"):
+            pass
+        meter.record(step, torch.tensor(1.0), samples=32)
+        timer.end_step(step)
+    timer.collect()
+    assert len(meter.durations) == 7
+    assert timer.run_steps == 7
+    assert "host/other_cpu_fraction" in meter.throughput()

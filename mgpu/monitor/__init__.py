@@ -45,8 +45,9 @@ class Monitor:
         warmup_steps: int, local_batch: int, mfu: MFU | None,
     ) -> None:
         """The `monitor` section's parts for this rank: `mfu` where the run's model and
-        device have one (`MFU.for_run`), steps before `warmup_steps` left out of the phase
-        figures, `local_batch` samples per step for the exporter."""
+        device have one (`MFU.for_run`), the first `warmup_steps` steps this process runs
+        (after a resume too) left out of the phase figures, `local_batch` samples per step
+        for the exporter."""
         self.runtime, self.run_id, self.uri = runtime, run_id, tracking_uri
         self.enabled = cfg.enabled
         self.local_batch = local_batch

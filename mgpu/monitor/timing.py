@@ -115,6 +115,8 @@ class PhaseTimer:
 
     `comm` (a `CommMeter`, or None) reports when this step's first collective was launched,
     which gives each rank's compute before communication: the figure that names stragglers.
+    The percentiles leave out the first `warmup_steps` steps this process ran, counted from
+    its first step (a resumed run warms up again), as `mgpu.meter.StepMeter` does.
     """
 
     def __init__(self, device: torch.device, warmup_steps: int, comm: Any = None) -> None:
@@ -123,6 +125,7 @@ class PhaseTimer:
         self.annotate = False  # set while torch.profiler records, to label its trace
         self.warmup_steps = warmup_steps
         self.comm = comm
+        self.first_step: int | None = None  # the first step this process ran
         self.step_start: Any = None
         self.marks: list[tuple[str, Any, Any]] = []
         self.pending: list[tuple[int, Any, list, Any, list]] = []
@@ -138,6 +141,8 @@ class PhaseTimer:
 
     def end_step(self, step: int) -> None:
         """Close the step's marks (no device work: they are read at the next log point)."""
+        if self.first_step is None:
+            self.first_step = step
         first_comm, collectives = self.comm.take_step() if self.comm else (None, [])
         self.pending.append((step, self.step_start, self.marks, first_comm, collectives))
         self.step_start, self.marks = None, []
@@ -155,7 +160,7 @@ class PhaseTimer:
                 seconds(step_start, first_comm) if first_comm is not None else math.nan
             )
             times["allreduce"] = in_flight_s(collectives, seconds)
-            if step > self.warmup_steps:
+            if step - self.first_step >= self.warmup_steps:
                 if self.run_steps == len(self.run):
                     self.run = np.concatenate([self.run, np.empty_like(self.run)])
                 self.run[self.run_steps] = [times[name] for name in PHASES]
