@@ -208,8 +208,9 @@ class Trainer:
         accum = self.train_cfg.grad_accum
         timer = self.monitor.timer
         loss_sum, samples = None, 0
+        grad_scale = self.precision.grad_scale()
         self.balance.before_step()
-        self.compression.begin_step(self.precision.grad_scale())
+        self.compression.begin_step(grad_scale)
         for micro in range(accum):
             with timer.phase("data"):
                 inputs, labels = next(self.batches)
@@ -225,7 +226,8 @@ class Trainer:
             samples += len(labels)
         self.balance.after_backward()
         with timer.phase("optimizer"):
-            applied = self.balance.has_gradients() and self.precision.step(self.optimizer)
+            carried = self.balance.carried_scale(grad_scale)
+            applied = self.balance.has_gradients() and self.precision.step(self.optimizer, carried)
             self.compression.end_step(applied)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()

@@ -27,6 +27,7 @@ from mgpu.model.mlp import MLP
 from mgpu.runtime import Runtime, init_runtime, shutdown
 from mgpu.trainer import Trainer
 from tests.conftest import QUICK, assert_refused, launch_job, make_job
+from tests.oracle import Recorder, reference, relative_error, tolerance
 
 SGD = [*QUICK, "optim=sgd", "optim.lr=0.05"]
 
@@ -318,6 +319,28 @@ def test_ssp_first_steps_leave_weights_and_optimizer_state_alone(one_rank_group,
     assert trainer.optimizer.state
     assert all(not torch.equal(p, initial[name]) for name, p in trainer.model.named_parameters())
     trainer.close()
+
+
+@pytest.mark.dist
+def test_ssp_under_amp_unscales_each_gradient_by_the_scale_it_was_computed_under(
+        one_rank_group, tmp_path):
+    """The scale grows after every clean step (and first backs off from an overflow), so the
+    gradients of step t - 2 carry another scale than step t's: the update must be the
+    reference's, which unscales each by its own."""
+    job = make_job(["balance=ssp", "balance.staleness=2", "launch.nproc_per_node=1",
+                    "precision=amp", "precision.init_scale=1048576", "precision.growth_interval=1",
+                    "optim=sgd", "train.steps=12", "checkpoint.every_steps=0"], tmp_path)
+    trainer = Trainer.build(job, cpu_runtime(0, 1, tmp_path), None)
+    recorder = trainer.batches = Recorder(trainer.batches, 12, 1)
+    for _ in range(12):
+        trainer.train_step()
+    scales_seen = trainer.precision.state_dict()
+    run = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
+    trainer.close()
+    initial, expected, skipped = reference(job, [recorder.by_step()])
+    assert skipped and scales_seen["skipped_steps"] == len(skipped)
+    error = relative_error(run, initial, {k: expected[k] for k in run})
+    assert error <= tolerance(job), f"update off the reference by {error:.2e} (relative)"
 
 
 def test_thermal_without_nvml_logs_once_and_uses_throughput(tmp_path, caplog):

@@ -60,6 +60,11 @@ class Balance(Protocol):
 
     def after_backward(self) -> None: ...
 
+    def carried_scale(self, grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """After backward: the loss scale the gradients this step applies carry, given the one
+        this step's backward ran under (`grad_scale`, None without loss scaling). The same,
+        except where the applied gradients were computed at an earlier step (ssp)."""
+
     def has_gradients(self) -> bool:
         """Whether this step's synchronised gradients are to be applied (ssp's first
         `staleness` steps have none: the optimizer step is left out)."""

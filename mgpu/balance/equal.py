@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -73,6 +74,9 @@ class EqualSplit:
     def after_backward(self) -> None:
         if self.clock:
             self.clock.end_backward()
+
+    def carried_scale(self, grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        return grad_scale
 
     def has_gradients(self) -> bool:
         return True

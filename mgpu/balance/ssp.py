@@ -16,6 +16,10 @@ one would. The average is DDP's own: each value times 1/W, then the sum (x * (1/
 differ for a third of float32 values where W is not a power of two), so s = 0 is bitwise the
 same as `balance=none`.
 
+Under amp each step's averaged gradients carry the loss scale of the step they were computed
+at, which has changed by the time they are applied: they are unscaled by their own scale
+(`carried_scale`), and an overflow seen s steps late backs the scale off once.
+
 Same data and split as `none`; the metrics add `balance/staleness_steps` (the mean age, in
 steps, of the gradients applied since the last log point, from the steps they were computed
 at) and `balance/ahead_steps` (how many of its own steps a rank had in flight, not yet
@@ -58,6 +62,8 @@ class StaleGradients:
         # step → {parameter name: (future, averaged bucket, the parameter's view of it)}
         self.sent: dict[int, dict[str, tuple[Future, torch.Tensor, torch.Tensor]]] = {}
         self.applied: int | None = None  # the step whose gradients the last step got, if any
+        # step → the loss scale its gradients carry (under amp), for the steps in `sent`
+        self.scales: dict[int, torch.Tensor] = {}
         self.ages: list[int] = []  # age of the gradients each step applied, since the last read
 
     def hook(self, state: object, bucket: GradBucket) -> Future[torch.Tensor]:
@@ -104,7 +110,8 @@ class StaleGradients:
             for future, _, _ in views.values():
                 future.wait()
             queue[step] = {name: view.clone() for name, (_, _, view) in views.items()}
-        return {"step": self.step, "queue": queue}
+        scales = {step: float(scale) for step, scale in self.scales.items()}
+        return {"step": self.step, "queue": queue, "scales": scales}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -112,6 +119,8 @@ class StaleGradients:
         for step, grads in state["queue"].items():
             on_device = {name: grad.to(self.device) for name, grad in grads.items()}
             self.sent[step] = {name: (completed(g), g, g) for name, g in on_device.items()}
+        self.scales = {step: torch.tensor(scale, device=self.device)
+                       for step, scale in state.get("scales", {}).items()}
 
 
 def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
@@ -143,6 +152,17 @@ class StaleSynchronous(EqualSplit):
         self.stale = StaleGradients(
             self.staleness, runtime.world_size, parameter_names(model), runtime.device)
         return None, self.stale.hook
+
+    def carried_scale(self, grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The loss scale of the step whose gradients are applied now: each step's averaged
+        gradients keep the scale they were computed under (amp changes it between steps)."""
+        if grad_scale is None:
+            return None
+        stale = self.stale
+        stale.scales[stale.step - 1] = grad_scale.clone()  # the step just synchronised
+        carried = stale.scales.get(stale.applied) if stale.applied is not None else None
+        stale.scales = {step: s for step, s in stale.scales.items() if step in stale.sent}
+        return carried
 
     def has_gradients(self) -> bool:
         """False in the first `staleness` steps: no averaged gradients are due yet."""

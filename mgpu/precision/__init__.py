@@ -33,8 +33,11 @@ class Precision(Protocol):
         """The factor the next backward's gradients carry: the loss scale under amp (a tensor
         on the device, read without a host sync), None where the loss is not scaled."""
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Apply the optimizer step; return False where the step was skipped (non-finite)."""
+    def step(self, optimizer: torch.optim.Optimizer,
+             grad_scale: torch.Tensor | None = None) -> bool:
+        """Apply the optimizer step; return False where the step was skipped (non-finite).
+        `grad_scale`: the loss scale the gradients carry, where it is not the current one
+        (gradients computed some steps before, under another scale)."""
 
     def metrics(self) -> dict[str, float]:
         """Merged into each metric point: `train/skipped_steps`, and `amp/loss_scale` where the

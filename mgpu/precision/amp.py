@@ -77,14 +77,23 @@ class AMP(PrecisionBase):
         """The scale itself, on the device (no host sync); updated only after the step."""
         return self.scale
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale, skip the step if any gradient is not finite, then update the scale."""
-        found = nonfinite_grads(optimizer, self.device, self.scale.double().reciprocal().float())
+    def step(self, optimizer: torch.optim.Optimizer,
+             grad_scale: torch.Tensor | None = None) -> bool:
+        """Unscale by the scale the gradients carry (`grad_scale`, else the current one), skip
+        the step if any gradient is not finite, then update the scale.
+
+        Gradients computed some steps before (ssp) overflowed under the scale they carry: the
+        scale backs off from the smaller of that and the current one, so an overflow seen late
+        backs off once, not again for every step computed under the same too-large scale."""
+        carried = self.scale if grad_scale is None else grad_scale
+        found = nonfinite_grads(optimizer, self.device, carried.double().reciprocal().float())
         if self.sync_flag:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         skipped = bool(found.item())
         if not skipped:
             optimizer.step()
+        elif grad_scale is not None:
+            torch.minimum(self.scale, grad_scale, out=self.scale)
         torch._amp_update_scale_(
             self.scale, self.growth_tracker, found, self.growth_factor, self.backoff_factor,
             self.growth_interval,

@@ -109,7 +109,8 @@ class PrecisionBase:
     def grad_scale(self) -> torch.Tensor | None:
         return None
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer,
+             grad_scale: torch.Tensor | None = None) -> bool:
         found = nonfinite_grads(optimizer, self.device)
         if self.sync_flag:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
