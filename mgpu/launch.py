@@ -105,9 +105,13 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
     The agent reports only the first process it saw exit, often a rank that merely lost its
     peer ("connection reset"). Every rank's own error report is in the elastic log dir, so the
     root cause is looked up there; a rank with no report died without Python (a signal).
+    The agent names its failures by global rank, the log dir this node's processes by local
+    rank: this node's first global rank turns one into the other (on node 0 they agree).
     """
+    first = node_first_rank(error)
     reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
-    reports.update(_error_reports(Path(job.output_dir, "logs", "elastic")))
+    local_reports = _error_reports(Path(job.output_dir, "logs", "elastic"))
+    reports.update({first + local: message for local, message in local_reports.items()})
     causes = {
         r: m for r, m in reports.items()
         if not any(p in m for p in PEER_LOST) and not TIMED_OUT.search(m)
@@ -115,7 +119,7 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
     if causes:
         rank = min(causes)
         return f"rank {rank} failed: {causes[rank]}"
-    silent = sorted(set(range(job.launch.nproc_per_node)) - set(reports))
+    silent = sorted(set(range(first, first + job.launch.nproc_per_node)) - set(reports))
     timeouts = [m for m in reports.values() if TIMED_OUT.search(m)]
     if silent and timeouts:  # the peers waited in a collective for a rank that never came
         step = re.search(r"at step (\d+)", timeouts[0])
@@ -131,6 +135,14 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
         )
     rank = min(reports)
     return f"rank {rank} failed: {reports[rank]}"
+
+
+def node_first_rank(error: ChildFailedError) -> int:
+    """The global rank of this node's local rank 0, from a failure the agent reported (each
+    knows both its global and its local rank); 0 where it reported none."""
+    for rank, failure in error.failures.items():
+        return rank - failure.local_rank
+    return 0
 
 
 def _error_reports(log_dir: Path) -> dict[int, str]:
