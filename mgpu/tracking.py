@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from hydra.experimental.callback import Callback
 from mlflow.entities import Metric, Param
@@ -49,6 +50,49 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_LENGTH = 6000
 # The MLflow 3 UI opens experiments without this tag in its GenAI view.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+MASK = "***"
+# Query parameters of a store URI whose values are credentials (postgresql://h/db?password=…).
+CREDENTIAL_WORDS = ("password", "passwd", "secret", "token")
+URI_KEY = "tracking.uri"
+
+
+def mask_credentials(uri: str) -> str:
+    """`uri` as everyone who can read the store may see it: the password of its user info
+    (`postgresql://user:***@host/db`) and the values of credential query parameters masked,
+    everything else as written."""
+    parts = urlsplit(uri)
+    user_info, _, host = parts.netloc.rpartition("@")
+    user, colon, _ = user_info.partition(":")
+    netloc = f"{user}:{MASK}@{host}" if colon else parts.netloc
+    query = _masked_query(parts.query)
+    if (netloc, query) == (parts.netloc, parts.query):
+        return uri  # as written, not as urlunsplit would normalise it
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _masked_query(query: str) -> str:
+    fields = []
+    for field in query.split("&"):
+        name, sep, value = field.partition("=")
+        if sep and any(word in name.lower() for word in CREDENTIAL_WORDS):
+            value = MASK
+        fields.append(f"{name}{sep}{value}")
+    return "&".join(fields)
+
+
+def mask_override(override: str) -> str:
+    """A command-line override as the run records it: `tracking.uri=…` with its credentials
+    masked (`+tracking.uri=…` too)."""
+    key, sep, value = override.partition("=")
+    return f"{key}={mask_credentials(value)}" if sep and key.lstrip("+") == URI_KEY else override
+
+
+def public_config(job: Job) -> dict[str, Any]:
+    """The job as its params and `config.yaml` show it: `tracking.uri` with its credentials
+    masked (the workers get the URI as written)."""
+    config = job.as_dict()
+    config["tracking"]["uri"] = mask_credentials(config["tracking"]["uri"])
+    return config
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -85,6 +129,7 @@ def start_job_run(
     state about themselves, `data_params`), tags = group choices and overrides."""
     tracking = job.tracking
     client = MlflowClient(tracking.uri)
+    overrides = [mask_override(override) for override in overrides]
     tags = {group: str(option) for group, option in choices.items()}
     tags["mgpu.overrides"] = " ".join(overrides) or "(defaults)"
     tags["mgpu.output_dir"] = job.output_dir
@@ -96,7 +141,8 @@ def start_job_run(
         tags=tags,
     )
     run_id = run.info.run_id
-    values = {**flatten(job.as_dict()), **(extra_params or {})}
+    config = public_config(job)
+    values = {**flatten(config), **(extra_params or {})}
     params = [
         Param(key, str(value)[:MAX_PARAM_LENGTH])
         for key, value in values.items()
@@ -104,7 +150,7 @@ def start_job_run(
     ]
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
-    client.log_text(run_id, OmegaConf.to_yaml(job.as_dict()), "config.yaml")
+    client.log_text(run_id, OmegaConf.to_yaml(config), "config.yaml")
     client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
     return run_id
 
@@ -135,7 +181,8 @@ def continue_run(uri: str, run_id: str | None) -> str | None:
     try:
         client.get_run(run_id)
     except MlflowException:
-        log.warning("run %s of the checkpoint is not in %s: starting a new run", run_id, uri)
+        log.warning("run %s of the checkpoint is not in %s: starting a new run", run_id,
+                    mask_credentials(uri))
         return None
     client.update_run(run_id, status="RUNNING")
     return run_id
@@ -217,7 +264,7 @@ class SweepRunCallback(Callback):
         self.uri = resolve_tracking_uri(tracking.uri)
         # Creating the store here, once, keeps parallel jobs from racing on its migration.
         client = MlflowClient(self.uri)
-        overrides = list(OmegaConf.to_container(config.hydra.overrides.task))
+        overrides = [mask_override(o) for o in OmegaConf.to_container(config.hydra.overrides.task)]
         run = client.create_run(
             experiment_id(client, tracking.experiment),
             run_name=f"sweep {' '.join(overrides)}",

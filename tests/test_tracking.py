@@ -1,0 +1,41 @@
+"""What a run records about itself in the tracking store."""
+
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+
+from mgpu import tracking
+from tests.conftest import make_job
+
+
+def test_a_password_in_the_tracking_uri_is_masked_everywhere_the_run_records_it(
+    tmp_path, monkeypatch
+):
+    """A store whose URI carries a password (a file store takes one and ignores it, as a
+    stand-in for postgresql://user:secret@host/db): the run's params, tags, name and
+    artifacts show the URI with the password masked and never the password itself."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file://user:s3cret@localhost{tmp_path}/mlruns"
+    overrides = [f"tracking.uri={uri}", "seed=1"]
+    job = make_job(overrides, tmp_path / "out")
+    run_id = tracking.start_job_run(job, {"strategy": "ddp"}, overrides)
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.data.params["tracking.uri"] == f"file://user:***@localhost{tmp_path}/mlruns"
+    recorded = [*run.data.params.values(), *run.data.tags.values(), run.info.run_name]
+    for artifact in ("config.yaml", "overrides.yaml"):
+        recorded.append((tmp_path / "mlruns").joinpath(
+            run.info.experiment_id, run_id, "artifacts", artifact).read_text())
+    assert not [text for text in recorded if "s3cret" in text]
+
+
+def test_credentials_are_masked_and_the_rest_of_the_uri_kept():
+    mask = tracking.mask_credentials
+    assert mask("postgresql://user:secret@db.example:5432/mlflow") == \
+        "postgresql://user:***@db.example:5432/mlflow"
+    assert mask("https://user:token@mlflow.example/") == "https://user:***@mlflow.example/"
+    assert mask("postgresql://db.example/mlflow?user=me&password=secret&sslmode=require") == \
+        "postgresql://db.example/mlflow?user=me&password=***&sslmode=require"
+    for plain in ("sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000", "databricks"):
+        assert mask(plain) == plain
