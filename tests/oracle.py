@@ -12,18 +12,28 @@ cell's options state:
   size and summed in it;
 - onebit: per rank and parameter, the gradient plus its error memory, sent as its signs times
   the mean absolute value; the mean of what the ranks sent is applied, and each rank keeps what
-  its message missed, only where the step was applied (plain all-reduce during warm-up);
+  its message missed (plain all-reduce during warm-up);
+- PowerSGD: per matrix, P = sum over ranks of (gradient + error) Q, orthogonalised, then
+  Q = the mean of (gradient + error)^T P, and P Q^T is applied; vectors and matrices not worth
+  compressing are averaged plainly (with error feedback too); Q warm-starts from the last step
+  (plain all-reduce before `start_powerSGD_iter`);
 - ssp: the averaged gradients of step t - s are applied at step t, each unscaled by the loss
   scale it was computed under;
 - amp: the loss is scaled before backward and the gradients unscaled before the step; a step
   with inf/NaN gradients is skipped and the scale set to `backoff` times the smaller of the
   current scale and the one the gradients carried; `growth_interval` clean steps in a row
-  multiply it by `growth`.
+  multiply it by `growth`. Error memories are kept unscaled and only where the step applied.
 
 Each rank's gradient is that of W x its samples' summed loss / the step's labelled positions,
 scaled, then the ranks are averaged: the sum is the global mean's gradient, and each rank's
 fp16 values have the magnitudes a real rank's have, so loss-scale overflows happen at the same
-steps.
+steps. Where a sharded strategy computes in the precision's parameter dtype (FSDP's mixed
+precision), so does the reference, each micro-batch's gradient taken to fp32 before it is
+accumulated.
+
+What the reference takes from the run besides the batches: PowerSGD's bucket layout (which
+parameters DDP put in which bucket, in which order), which decides the random initial Q drawn
+per bucket. Everything else follows from the config.
 
 `relative_error` compares a run's update (final minus initial parameters) with the reference's
 over all parameters at once; `tolerance` states the bound a cell is held to and why.
@@ -31,20 +41,26 @@ over all parameters at once; `tolerance` states the bound a cell is held to and 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
 from mgpu.balance.ssp import StaleSynchronous
 from mgpu.compression.bf16 import Bf16
 from mgpu.compression.fp16 import Fp16
 from mgpu.compression.none import NoCompression
 from mgpu.compression.onebit import OneBit
+from mgpu.compression.powersgd import PowerSGD
 from mgpu.config import Job, Options
 from mgpu.loss import IGNORED_LABEL
+from mgpu.parallel import FSDPOptions
 from mgpu.precision.amp import AMP
 from mgpu.precision.bf16 import BF16
 
@@ -52,6 +68,7 @@ from mgpu.precision.bf16 import BF16
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Grads = list[torch.Tensor]  # one per parameter, in model order
 
 
 class Recorder:
@@ -81,6 +98,16 @@ class Recorder:
         return [self.seen[i : i + self.accum] for i in range(0, len(self.seen), self.accum)]
 
 
+@dataclass
+class Reference:
+    initial: dict[str, torch.Tensor]  # parameters before the first step
+    final: dict[str, torch.Tensor]  # parameters after the recorded steps
+    skipped: list[int] = field(default_factory=list)  # steps (from 1) skipped as non-finite
+    longest_sum: int = 1  # terms in the longest sum the cell rounds (see `tolerance`)
+    depth: int = 1  # weight matrices (matrix products) on the way from input to loss
+    growths: int = 0  # times amp's loss scale grew
+
+
 def initial_model(job: Job) -> torch.nn.Module:
     """The model as every rank builds it from the seed, before any step."""
     options = Options.of(job.groups())
@@ -89,33 +116,42 @@ def initial_model(job: Job) -> torch.nn.Module:
     return options.model(input_shape=data.input_shape, num_classes=data.num_classes)
 
 
-def reference(job: Job, batches: list[list[list[Batch]]]) -> tuple[dict, dict, float]:
-    """(initial weights, weights after the recorded steps, the steps it skipped as non-finite).
-
-    `batches[r][t][m]` is data-parallel rank r's micro-batch m of step t."""
+def reference(job: Job, batches: list[list[list[Batch]]],
+              buckets: list[tuple[str, ...]] | None = None) -> Reference:
+    """The parameters after the recorded steps. `batches[r][t][m]` is data-parallel rank r's
+    micro-batch m of step t; `buckets`, PowerSGD's bucket layout (parameter names per bucket,
+    in bucket order)."""
     options = Options.of(job.groups())
     model = initial_model(job)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    names = [name for name, _ in model.named_parameters()]
     params = [p for p in model.parameters()]
+    initial = {n: p.detach().clone() for n, p in zip(names, params, strict=True)}
     optimizer, scheduler = options.optim.build(params, job.train.steps)
-    rule = Rule(options, len(batches), params)
+    compute_dtype = None
+    if isinstance(options.strategy.plan(job.launch.world_size).data_parallel, FSDPOptions):
+        compute_dtype = options.precision.param_dtype
+    rule = Rule(options, len(batches), dict(zip(names, params, strict=True)), buckets)
+    longest = 1
     for step in range(len(batches[0])):
-        scale = rule.scale
-        grads = [rank_gradient(model, rank[step], steps_positions(batches, step), len(batches),
-                               options.precision, scale) for rank in batches]
-        averaged = rule.combine(grads, scale)
+        positions = step_positions(batches, step)
+        longest = max(longest, positions)
+        grads = [rank_gradient(model, rank[step], positions, len(batches), options.precision,
+                               rule.scale, compute_dtype) for rank in batches]
+        averaged = rule.combine(grads)
         applied = False
         if averaged is not None:
-            grad, carried = averaged
-            applied = rule.step(optimizer, params, grad, carried)
+            applied = rule.step(optimizer, params, *averaged)
         rule.end_step(applied)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return initial, final, rule.skipped
+    fan_in = max(p.numel() // p.shape[0] for p in params)
+    longest = max(longest, fan_in, rule.longest_sum)
+    final = {n: p.detach().clone() for n, p in zip(names, params, strict=True)}
+    depth = sum(p.dim() >= 2 for p in params)
+    return Reference(initial, final, rule.skipped, longest, depth, rule.growths)
 
 
-def steps_positions(batches: list[list[list[Batch]]], step: int) -> int:
+def step_positions(batches: list[list[list[Batch]]], step: int) -> int:
     """Labelled positions in the whole global batch of `step` (all ranks, all micro-batches)."""
     return sum(int((labels != IGNORED_LABEL).sum())
                for rank in batches for _, labels in rank[step])
@@ -130,75 +166,99 @@ def autocast(precision: object) -> object:
 
 
 def rank_gradient(model: torch.nn.Module, micro_batches: list[Batch], positions: int,
-                  world_size: int, precision: object, scale: float) -> list[torch.Tensor]:
-    """One data-parallel rank's gradient of (world size x its summed loss / positions),
-    times the loss scale, accumulated over its micro-batches."""
-    model.zero_grad(set_to_none=True)
+                  world_size: int, precision: object, scale: float,
+                  compute_dtype: torch.dtype | None) -> Grads:
+    """One data-parallel rank's gradient of (world size x its summed loss / positions), times
+    the loss scale, accumulated over its micro-batches in fp32. With `compute_dtype`, each
+    micro-batch runs on a copy of the weights in that dtype."""
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    work = model
+    if compute_dtype not in (None, torch.float32):
+        work = copy.deepcopy(model).to(compute_dtype)
     for inputs, labels in micro_batches:
+        work.zero_grad(set_to_none=True)
         with autocast(precision):
-            logits = model(inputs)
+            logits = work(inputs)
             summed = F.cross_entropy(logits.flatten(0, -2), labels.flatten(),
                                      ignore_index=IGNORED_LABEL, reduction="sum")
         (summed.float() * (world_size / positions) * scale).backward()
-    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            for p in model.parameters()]
+        for acc, param in zip(total, work.parameters(), strict=True):
+            if param.grad is not None:
+                acc += param.grad.float()
+    return total
 
 
 class Rule:
     """How the cell's compression, balance and precision turn the ranks' gradients into the
     update, with the state they carry from step to step."""
 
-    def __init__(self, options: Options, world_size: int, params: list) -> None:
+    def __init__(self, options: Options, world_size: int, params: dict[str, torch.Tensor],
+                 buckets: list[tuple[str, ...]] | None) -> None:
         self.compression, self.balance = options.compression, options.balance
         self.precision = options.precision
         self.world_size = world_size
+        self.names = list(params)
         amp = self.precision if isinstance(self.precision, AMP) else None
         self.scale = amp.init_scale if amp else 1.0
         self.growth_tracker = 0
-        self.synced = 0  # synchronised steps (onebit's warm-up counts these)
-        self.errors = [[torch.zeros_like(p) for p in params] for _ in range(world_size)]
-        self.pending: list[list[torch.Tensor]] | None = None
-        self.queue: dict[int, tuple[list[torch.Tensor], float]] = {}
-        self.step_index = 0
-        self.skipped: list[int] = []  # steps (from 1) whose update was skipped: non-finite
-        known = (NoCompression, Fp16, Bf16, OneBit)
-        if not isinstance(self.compression, known):
+        self.synced = 0  # synchronised steps so far (compression warm-ups count these)
+        self.queue: dict[int, tuple[Grads, float]] = {}  # ssp: step -> (averaged, its scale)
+        self.skipped: list[int] = []
+        self.growths = 0
+        self.longest_sum = 1
+        # Error memories per rank (unscaled), and what they become if the step applies.
+        self.errors = [[torch.zeros_like(p) for p in params.values()] for _ in range(world_size)]
+        self.pending: list[Grads] | None = None
+        self.powersgd = None
+        if isinstance(self.compression, PowerSGD):
+            self.powersgd = PowerSGDReference(self.compression.settings, params, buckets)
+        elif not isinstance(self.compression, (NoCompression, Fp16, Bf16, OneBit)):
             raise NotImplementedError(f"no reference for {type(self.compression).__name__}")
 
-    def combine(self, grads: list[list[torch.Tensor]], scale: float
-                ) -> tuple[list[torch.Tensor], float] | None:
+    def combine(self, grads: list[Grads]) -> tuple[Grads, float] | None:
         """The averaged gradients this step applies and the loss scale they carry (None where
         there are none yet: ssp's first s steps)."""
-        averaged = self.average(grads, scale)
-        self.synced += 1
-        step, self.step_index = self.step_index, self.step_index + 1
+        averaged = self.average(grads)
+        step, self.synced = self.synced, self.synced + 1
         if not isinstance(self.balance, StaleSynchronous):
-            return averaged, scale
-        self.queue[step] = (averaged, scale)
+            return averaged, self.scale
+        self.queue[step] = (averaged, self.scale)
         return self.queue.pop(step - self.balance.staleness, None)
 
-    def average(self, grads: list[list[torch.Tensor]], scale: float) -> list[torch.Tensor]:
+    def average(self, grads: list[Grads]) -> Grads:
         w = self.world_size
         per_param = list(zip(*grads, strict=True))
         if isinstance(self.compression, (Fp16, Bf16)):
             dtype = torch.float16 if isinstance(self.compression, Fp16) else torch.bfloat16
             return [sum_in_order([g.to(dtype) / w for g in ranks]).float() for ranks in per_param]
-        if isinstance(self.compression, OneBit):
-            if self.synced < self.compression.warmup_steps:
-                return [sum_in_order([g / w for g in ranks]) for ranks in per_param]
-            return self.onebit(grads, scale)
+        if isinstance(self.compression, OneBit) and self.synced >= self.compression.warmup_steps:
+            return self.with_error_feedback(grads, self.onebit)
+        if self.powersgd and self.synced >= self.powersgd.start:
+            return self.with_error_feedback(grads, self.powersgd.average)
+        if isinstance(self.compression, (OneBit, PowerSGD)):  # warm-up: torch's allreduce_hook
+            return [sum_in_order([g / w for g in ranks]) for ranks in per_param]
         return [sum_in_order([g * (1 / w) for g in ranks]) for ranks in per_param]
 
-    def onebit(self, grads: list[list[torch.Tensor]], scale: float) -> list[torch.Tensor]:
-        sent, self.pending = [], []
-        for rank_grads, errors in zip(grads, self.errors, strict=True):
-            compensated = [g + e * scale for g, e in zip(rank_grads, errors, strict=True)]
-            signs = [torch.where(c >= 0, c.abs().mean(), -c.abs().mean()) for c in compensated]
-            sent.append(signs)
-            self.pending.append([(c - s) / scale for c, s in zip(compensated, signs, strict=True)])
-        return [torch.stack(ranks).mean(dim=0) for ranks in zip(*sent, strict=True)]
+    def with_error_feedback(self, grads: list[Grads], send) -> Grads:
+        """Each rank's input is its gradient plus its error memory (scaled as the gradient
+        is); `send(inputs)` gives (what every rank applies, what each rank's message stood
+        for), and each rank's new memory is what its message missed of its input, unscaled."""
+        inputs = [[g + e * self.scale for g, e in zip(rank, errors, strict=True)]
+                  for rank, errors in zip(grads, self.errors, strict=True)]
+        applied, sent = send(inputs)
+        self.pending = [[(x - s) / self.scale for x, s in zip(rank, sent_rank, strict=True)]
+                        for rank, sent_rank in zip(inputs, sent, strict=True)]
+        return applied
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list, grads: list[torch.Tensor],
+    def onebit(self, inputs: list[Grads]) -> tuple[Grads, list[Grads]]:
+        """Each rank's message: per parameter, the signs times the mean absolute value (a sum
+        over all its values); every rank applies the mean of the messages."""
+        signs = [[torch.where(x >= 0, x.abs().mean(), -x.abs().mean()) for x in rank]
+                 for rank in inputs]
+        self.longest_sum = max(self.longest_sum, *(x.numel() for x in inputs[0]))
+        return [torch.stack(ranks).mean(dim=0) for ranks in zip(*signs, strict=True)], signs
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list, grads: Grads,
              carried: float) -> bool:
         """Unscale by the scale the gradients carry; skip a non-finite step; update the scale."""
         unscaled = [g * (1 / carried) for g in grads]
@@ -208,7 +268,7 @@ class Rule:
                 param.grad = grad.to(param.dtype)
             optimizer.step()
         else:
-            self.skipped.append(self.step_index)
+            self.skipped.append(self.synced)
         if isinstance(self.precision, AMP):
             self.update_scale(finite, carried)
         return finite
@@ -223,11 +283,88 @@ class Rule:
         if self.growth_tracker == amp.growth_interval:
             self.scale *= amp.growth_factor
             self.growth_tracker = 0
+            self.growths += 1
 
     def end_step(self, applied: bool) -> None:
         if self.pending is not None and applied:
             self.errors = self.pending
+        if self.powersgd:
+            self.powersgd.end_step(applied)
         self.pending = None
+
+
+class PowerSGDReference:
+    """torch's PowerSGD rule, matrix by matrix, with the initial Q it draws per bucket."""
+
+    def __init__(self, settings: dict, params: dict[str, torch.Tensor],
+                 buckets: list[tuple[str, ...]] | None) -> None:
+        if not (settings["use_error_feedback"] and settings["warm_start"]) or buckets is None:
+            raise NotImplementedError("a PowerSGD reference needs error feedback, warm start "
+                                      "and the run's bucket layout")
+        self.rank = settings["matrix_approximation_rank"]
+        self.rate = settings["min_compression_rate"]
+        self.start = settings["start_powerSGD_iter"]
+        self.shapes = {name: p.shape for name, p in params.items()}
+        self.buckets = buckets
+        self.rng = np.random.RandomState(0)  # PowerSGDState's default random_seed
+        self.q: dict[str, torch.Tensor] | None = None  # warm-start Q per compressed matrix
+        self.q_before: dict[str, torch.Tensor] | None = None  # Q as it was before this step
+
+    def matrix(self, name: str) -> tuple[int, int, int]:
+        """(rows, columns, rank) of the matrix torch views a gradient as."""
+        shape = self.shapes[name]
+        n, m = shape[0], math.prod(shape[1:])
+        return n, m, min(n, m, self.rank)
+
+    def compressed(self, name: str) -> bool:
+        n, m, r = self.matrix(name)
+        return (n + m) * r * self.rate < n * m
+
+    def draw(self) -> dict[str, torch.Tensor]:
+        """Random orthogonal Q per compressed matrix: one seed per bucket, drawn in bucket
+        order; within a bucket, matrices grouped by shape (first appearance), bucket order."""
+        q = {}
+        for names in self.buckets:
+            groups: dict[tuple[int, int], list[str]] = {}
+            for name in filter(self.compressed, names):
+                groups.setdefault(self.matrix(name)[:2], []).append(name)
+            seed = self.rng.randint(1_000_000_000)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                for name in (name for group in groups.values() for name in group):
+                    _, m, r = self.matrix(name)
+                    q[name] = torch.randn(1, m, r)
+                    _orthogonalize(q[name], 0)
+        return q
+
+    def average(self, inputs: list[Grads]) -> tuple[Grads, list[Grads]]:
+        """What every rank applies: the rank-r approximation of the mean of the inputs per
+        compressed matrix, the plain mean elsewhere."""
+        self.q_before = None if self.q is None else {n: q.clone() for n, q in self.q.items()}
+        if self.q is None:
+            self.q = self.draw()
+        else:
+            for q in self.q.values():
+                _orthogonalize(q, 0)
+        w = len(inputs)
+        applied = []
+        for name, values in zip(self.shapes, zip(*inputs, strict=True), strict=True):
+            if not self.compressed(name):
+                applied.append(sum_in_order(list(values)) / w)
+                continue
+            n, m, _ = self.matrix(name)
+            matrices = [x.reshape(1, n, m) for x in values]
+            p = sum_in_order([torch.bmm(x, self.q[name]) for x in matrices])
+            _orthogonalize(p, 0)
+            q = sum_in_order([torch.bmm(x.transpose(1, 2), p) for x in matrices]) / w
+            self.q[name] = q
+            applied.append(torch.bmm(p, q.transpose(1, 2)).reshape(self.shapes[name]))
+        return applied, [applied] * w
+
+    def end_step(self, applied: bool) -> None:
+        """A skipped step leaves Q as it was (before the first, none: drawn anew)."""
+        if not applied:
+            self.q = self.q_before
 
 
 def sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -239,31 +376,34 @@ def sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def relative_error(run: dict[str, torch.Tensor], initial: dict[str, torch.Tensor],
                    expected: dict[str, torch.Tensor]) -> float:
-    """|run's update - the reference's| / |the reference's update|, over all parameters."""
+    """|run's update - the reference's| / |the reference's update|, over all parameters of
+    `expected`."""
     diff = sum(float((run[k].float() - expected[k].float()).pow(2).sum()) for k in expected)
     size = sum(float((expected[k].float() - initial[k].float()).pow(2).sum()) for k in expected)
     return math.sqrt(diff / size)
 
 
-def tolerance(job: Job) -> float:
-    """The relative error of the update a cell is held to.
+def tolerance(job: Job, ref: Reference) -> float:
+    """The relative error of the update a cell is held to: (2 d + 1)(3 u + sqrt(n) u32).
 
-    The run and the reference compute the same quantities in different orders (another
-    split of the batch over ranks, sharded or pipelined reductions), so they differ by
-    rounding. A sum of n terms rounded at unit roundoff u is off by about sqrt(n) u relative
-    (rounding errors of random sign); the longest sums here run over at most 1024 terms
-    (hidden widths, batch x positions), and a forward, a backward and the optimizer each add
-    one such error: 3 x 32 u, for the coarsest dtype the cell computes or sends gradients in.
-    An error of that size in every step's update stays of that size relative to their sum.
+    The run and the reference compute the same quantities in different orders (another split
+    of the batch over ranks, sharded or pipelined reductions, another summation order) and
+    round differently. Each of the d matrix products between input and loss rounds once
+    forward and once backward, the update once more: 2 d + 1 stages. At each, the operands and
+    the result are rounded to the coarsest dtype the cell computes or sends gradients in (3 u,
+    u its unit roundoff), and the sum inside is accumulated in fp32 (on CPU and GPU alike): a
+    sum of n terms is off by about sqrt(n) u32 relative (rounding errors of random sign), n
+    the longest sum of the cell (`Reference.longest_sum`: the largest fan-in, the labelled
+    positions of a step, onebit's mean over a whole parameter). An error of that size in every
+    step's update stays of that size relative to their sum. fp32 cells: u = u32.
     """
     options = Options.of(job.groups())
     dtypes = [torch.float32]
-    if isinstance(options.precision, AMP):
-        dtypes.append(torch.float16)
-    if isinstance(options.precision, BF16):
-        dtypes.append(torch.bfloat16)
+    if isinstance(options.precision, (AMP, BF16)):
+        dtypes.append(options.precision.param_dtype)
     if isinstance(options.compression, Fp16):
         dtypes.append(torch.float16)
     if isinstance(options.compression, Bf16):
         dtypes.append(torch.bfloat16)
-    return 3 * 32 * max(UNIT_ROUNDOFF[d] for d in dtypes)
+    u32, coarsest = UNIT_ROUNDOFF[torch.float32], max(UNIT_ROUNDOFF[d] for d in dtypes)
+    return (2 * ref.depth + 1) * (3 * coarsest + math.sqrt(ref.longest_sum) * u32)

@@ -337,10 +337,10 @@ def test_ssp_under_amp_unscales_each_gradient_by_the_scale_it_was_computed_under
     scales_seen = trainer.precision.state_dict()
     run = {name: p.detach().clone() for name, p in trainer.model.module.named_parameters()}
     trainer.close()
-    initial, expected, skipped = reference(job, [recorder.by_step()])
-    assert skipped and scales_seen["skipped_steps"] == len(skipped)
-    error = relative_error(run, initial, {k: expected[k] for k in run})
-    assert error <= tolerance(job), f"update off the reference by {error:.2e} (relative)"
+    ref = reference(job, [recorder.by_step()])
+    assert ref.skipped and scales_seen["skipped_steps"] == len(ref.skipped)
+    error = relative_error(run, ref.initial, ref.final)
+    assert error <= tolerance(job, ref), f"update off the reference by {error:.2e} (relative)"
 
 
 def test_thermal_without_nvml_logs_once_and_uses_throughput(tmp_path, caplog):
