@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -331,15 +332,25 @@ def check_monitor(job: Job) -> None:
             )
 
 
-def check_batch(job: Job) -> None:
-    """The global batch must split into equal micro-batches over ranks and accumulation steps."""
-    batch, accum, world_size = job.data["batch_size"], job.train.grad_accum, job.launch.world_size
+def check_batch(job: Job, world_sizes: list[int]) -> None:
+    """The global batch must split into equal micro-batches over ranks and accumulation steps
+    at every world size the job may run at: an elastic `launch.nnodes=MIN:MAX` allows one per
+    node count, and at any of them an uneven split would leave samples out while the loss
+    is still divided by the whole batch."""
+    batch, accum = job.data["batch_size"], job.train.grad_accum
     _positive("data.batch_size", batch)
-    if batch % (world_size * accum):
-        raise ConfigError(
-            f"data.batch_size={batch}: must be divisible by world size ({world_size}) x "
-            f"train.grad_accum ({accum}) = {world_size * accum}"
-        )
+    for world_size in world_sizes:
+        if batch % (world_size * accum) == 0:
+            continue
+        message = (f"data.batch_size={batch}: must be divisible by world size ({world_size}) x "
+                   f"train.grad_accum ({accum}) = {world_size * accum}")
+        if len(world_sizes) > 1:
+            uneven = support.alternatives("balance", lambda b: b.declares("uneven"))
+            message += (
+                f", and launch.nnodes={job.launch.nnodes} lets the job run on "
+                f"{', '.join(map(str, world_sizes))} ranks; use a data.batch_size divisible by "
+                f"{math.lcm(*world_sizes) * accum}, a narrower launch.nnodes, or {uneven}")
+        raise ConfigError(message)
 
 
 def check_fault(job: Job) -> None:
@@ -415,10 +426,13 @@ def prepare(
     fixed = getattr(options.strategy, "world_size", None)
     if torchrun_world:
         world_size, nproc = torchrun_world
+        world_sizes = [world_size]
     else:
-        nnodes = parse_nnodes(values["launch"]["nnodes"])
+        min_nodes, max_nodes = parse_nnodes(values["launch"]["nnodes"])
         nproc = resolve_nproc(values["launch"]["nproc_per_node"], fixed, cuda_devices)
-        world_size = nnodes[0] * nproc
+        # An elastic job starts at its smallest size and may run at any up to the largest.
+        world_sizes = [nodes * nproc for nodes in range(min_nodes, max_nodes + 1)]
+        world_size = world_sizes[0]
     values["launch"].update(nproc_per_node=nproc, world_size=world_size)
     values["output_dir"] = str(Path(values["output_dir"]).resolve())
     values["tracking"]["uri"] = resolve_tracking_uri(values["tracking"]["uri"])
@@ -427,7 +441,7 @@ def prepare(
     support.check(job, options)  # options of different groups that cannot run together
     check_model(options)
     if not options.balance.uneven:  # uneven splits check their own batch
-        check_batch(job)
+        check_batch(job, world_sizes)
     check_fault(job)
     check_monitor(job)
     check_straggler(job)

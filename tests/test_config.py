@@ -73,6 +73,18 @@ def test_bad_input_is_one_config_error_naming_the_key(overrides, message, tmp_pa
     assert_refused(overrides, message, tmp_path)
 
 
+
+def test_an_elastic_node_range_checks_the_batch_at_every_world_size_it_allows(tmp_path):
+    """`launch.nnodes=1:3` with 2 processes per node runs on 2, 4 or 6 ranks: 64 samples do
+    not split over 6 (each rank would take 10 while the loss is divided by 64), so the job is
+    refused before launch, naming both keys. A batch every size divides runs, and so does a
+    balance that splits unevenly."""
+    line = assert_refused(["launch.nnodes=1:3", "data.batch_size=64"], "data.batch_size=64",
+                          tmp_path)
+    assert "launch.nnodes=1:3" in line and "(6)" in line, line
+    assert make_job(["launch.nnodes=1:3", "data.batch_size=96"], tmp_path).launch.world_size == 2
+    assert make_job(["launch.nnodes=1:3", "data.batch_size=64", "balance=throughput"], tmp_path)
+
 # ---- experiment presets ----------------------------------------------------------------------
 
 DDP, SINGLE = "mgpu.strategy.ddp.DDP", "mgpu.strategy.single.Single"
