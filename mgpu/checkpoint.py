@@ -15,11 +15,11 @@ Loading never executes pickled code: DCP's `.metadata` is read by an unpickler t
 only DCP's own metadata classes, and non-tensor values load with `torch.load(weights_only=True)`.
 
 What a checkpoint holds: the model (`get_model_state_dict`, so sharded strategies save their
-shards), the optimizer (as the strategy saves it: zero1 by parameter name, each rank its own
-partition), lr scheduler, precision (grad scaler), balance, step and data position (global
-sample index: valid at any world size), and per rank, under `rank<r>`, the compression state
-and the torch/numpy/python RNG states. A rank that did not exist when the checkpoint was saved
-starts with fresh per-rank state.
+shards) and the optimizer, both keyed by the model's own parameter names under every strategy
+(a pipeline's stages too; zero1 each rank its own partition), lr scheduler, precision (grad
+scaler), balance, step and data position (global sample index: valid at any world size), and
+per rank, under `rank<r>`, the compression state and the torch/numpy/python RNG states. A rank
+that did not exist when the checkpoint was saved starts with fresh per-rank state.
 
 DCP loads only the keys of the template it is given, and the template comes from a fresh run:
 state whose keys or shapes are only known once training ran (error-feedback residuals created
@@ -55,7 +55,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mgpu.errors import ConfigError
 
@@ -325,7 +324,7 @@ def unpack(blob: bytes) -> Any:
 def train_state(trainer: Trainer, step: int, with_rank_state: bool = True) -> dict[str, Any]:
     """The run's state as one (nested) state dict for DCP; also the template to load into."""
     state = {
-        "model": get_model_state_dict(trainer.model),
+        "model": trainer.strategy.model_state_dict(trainer.model),
         "optim": trainer.strategy.optimizer_state_dict(trainer.model, trainer.optimizer),
         "scheduler": trainer.scheduler.state_dict(),
         "precision": trainer.precision.state_dict(),
@@ -341,7 +340,7 @@ def train_state(trainer: Trainer, step: int, with_rank_state: bool = True) -> di
 
 def apply_train_state(trainer: Trainer, state: dict[str, Any]) -> int:
     """Put a loaded state dict back into the run; returns the step it was saved at."""
-    set_model_state_dict(trainer.model, state["model"])
+    trainer.strategy.load_model_state_dict(trainer.model, state["model"])
     trainer.strategy.load_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.precision.load_state_dict(state["precision"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -243,6 +244,26 @@ class Pipeline:
         parts: list[dict | None] = [None] * self.size
         dist.all_gather_object(parts, mine, group=self.group)
         return {name: value for part in parts for name, value in part.items()}
+
+    def own_names(self, state: dict[str, Any], at: int) -> dict[str, Any]:
+        """A state dict of this rank's stages keyed by the whole model's own names: the
+        stage's index in the list that holds them, the `at`-th dotted part of each key, is
+        dropped. So a checkpoint a pipeline writes loads under any layout, and a pipeline loads
+        a checkpoint written under any layout (another strategy, another cut into stages)."""
+        return {without_part(key, at): value for key, value in state.items()}
+
+    def stage_names(
+        self, state: dict[str, Any], template: dict[str, Any], at: int
+    ) -> dict[str, Any]:
+        """`state` (keyed as `own_names` gives) keyed again as `template`, a state dict of this
+        rank's stages, to load into them."""
+        return {key: state[without_part(key, at)] for key in template}
+
+
+def without_part(key: str, at: int) -> str:
+    """`key` (dotted) without its `at`-th part."""
+    parts = key.split(".")
+    return ".".join(parts[:at] + parts[at + 1:])
 
 
 def local_gradient(module: nn.Module, name: str) -> torch.Tensor:

@@ -30,6 +30,7 @@ from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
 from tests.conftest import QUICK, assert_refused, launch_job, make_job
 from tests.test_ddp import assert_weights_close
+from tests.test_text import TEXT
 
 # SGD, so that runs at different world sizes can be compared (see tests/test_ddp.py).
 CKPT = [*QUICK, "optim=sgd", "optim.lr=0.05", "checkpoint.every_steps=10",
@@ -182,6 +183,35 @@ def test_resume_from_an_older_step_rolls_back_and_sets_the_newer_ones_aside(
     # The resumed run saved its own 20 and 30 beside the step it resumed from.
     assert [p.name for p in committed(root)] == ["step_00000030", "step_00000020", "step_00000010"]
 
+
+# A narrow GPT language model (pp needs a model cut into stages; its token embedding is also its
+# output layer, held by the first and the last stage), SGD with momentum, checkpoints at 4 and 8.
+LAYOUT = [*TEXT, "train.steps=8", "train.warmup_steps=2", "train.log_every=4",
+          "eval.every_steps=0", "checkpoint.every_steps=4"]
+
+
+@pytest.mark.dist
+def test_a_pipeline_checkpoint_resumes_under_another_layout(tmp_path):
+    """Saved by a 2-stage 1F1B pipeline, the checkpoint holds the model's own parameter names:
+    ddp and fsdp resume its step 4 and end where the pipeline ended (the momentum buffers
+    carried over too, fsdp with its own optimizer kernels), and interleaved 1F1B (4 stages,
+    cut otherwise) loads its step 8 exactly."""
+    _, piped = launch_job([*LAYOUT, "strategy=pp"], tmp_path / "pp")
+    saved = tmp_path / "pp" / "checkpoints"
+    resumed = {"ddp": (["strategy=ddp"], 4), "fsdp": (["strategy=fsdp"], 4),
+               "interleaved": (["strategy=pp", "strategy.schedule=interleaved_1f1b"], 8)}
+    for name, (strategy, step) in resumed.items():
+        run = tmp_path / name
+        root = run / "checkpoints"
+        shutil.copytree(step_dir(saved, step), step_dir(root, step))
+        _, weights = launch_job([*LAYOUT, *strategy], run)
+        log = (run / "logs" / "rank0.log").read_text()
+        assert f"resumed from {step_dir(root, step)} (step {step}," in log
+        if step == 8:  # nothing left to train: the weights as loaded
+            for key in piped:
+                assert torch.equal(weights[key], piped[key]), key
+        else:
+            assert_weights_close(weights, piped, atol=1e-5)
 
 # ---- which checkpoint is picked: the manifest, without a process group ----------------------
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -38,6 +39,24 @@ if TYPE_CHECKING:
 #: its own parameters' entries. The nested layout keeps param groups as lists per rank, which
 #: collide across ranks that hold different parameters.
 BY_PARAMETER_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+#: Where a pipeline's state dict keys hold the index of the stage in this rank's list of
+#: stages (`0.layers.3.weight`, `state.0.layers.3.weight.momentum_buffer`): dropped in
+#: checkpoints, so that they hold the model's own names (`Pipeline.own_names`).
+MODEL_KEY_STAGE, OPTIM_KEY_STAGE = 0, 1
+#: Param-group settings that choose how the optimizer computes its step, not what it computes:
+#: fused kernels have no rules for DTensors, so each run keeps its own choice, whatever the
+#: strategy that saved the checkpoint chose (a pipeline's plain tensors, FSDP's DTensors).
+KERNEL_SETTINGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_keeping_kernels(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load `state` (keyed by parameter name) into `optimizer`, except its `KERNEL_SETTINGS`."""
+    own = [{k: group[k] for k in KERNEL_SETTINGS if k in group} for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizer, state, options=BY_PARAMETER_NAME)
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings)
 
 
 class Strategy(ABC):
@@ -102,19 +121,36 @@ class Strategy(ABC):
         """The optimizer over this rank's (local, possibly sharded) parameters."""
         return optim.build(model.parameters(), total_steps)
 
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state for a DCP checkpoint, keyed by the model's own parameter names
+        under every layout (a sharded model's shards as DTensors); also the template a
+        checkpoint loads into. Every rank calls it."""
+        state = get_model_state_dict(model)
+        return self.pipe.own_names(state, MODEL_KEY_STAGE) if self.pipe is not None else state
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Put the state `model_state_dict`'s template was loaded with into the model."""
+        if self.pipe is not None:
+            state = self.pipe.stage_names(state, get_model_state_dict(model), MODEL_KEY_STAGE)
+        set_model_state_dict(model, state)
+
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         """The optimizer's state for a DCP checkpoint, keyed by parameter name (a sharded
         optimizer's shards as DTensors); also the template a checkpoint loads into. Every rank
         calls it."""
-        return get_optimizer_state_dict(model, optimizer, options=BY_PARAMETER_NAME)
+        state = get_optimizer_state_dict(model, optimizer, options=BY_PARAMETER_NAME)
+        return self.pipe.own_names(state, OPTIM_KEY_STAGE) if self.pipe is not None else state
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         """Put the state `optimizer_state_dict`'s template was loaded with into the optimizer."""
-        set_optimizer_state_dict(model, optimizer, state, options=BY_PARAMETER_NAME)
+        if self.pipe is not None:
+            template = get_optimizer_state_dict(model, optimizer, options=BY_PARAMETER_NAME)
+            state = self.pipe.stage_names(state, template, OPTIM_KEY_STAGE)
+        load_keeping_kernels(model, optimizer, state)
 
     def forward_backward(
         self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, precision: object,

@@ -15,14 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from mgpu.strategy import BY_PARAMETER_NAME
+from mgpu.strategy import BY_PARAMETER_NAME, load_keeping_kernels
 from mgpu.strategy.ddp import DDP
 
 
@@ -58,7 +55,7 @@ class Zero1(DDP):
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        set_optimizer_state_dict(model, optimizer.optim, state, options=BY_PARAMETER_NAME)
+        load_keeping_kernels(model, optimizer.optim, state)
         # ZeRO's own groups are the ones it steps with: they take the restored settings.
         copy_settings(optimizer.optim.param_groups, optimizer.param_groups)
 
