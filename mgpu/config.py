@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mgpu import support
 from mgpu.checkpoint import check_checkpoint
 from mgpu.errors import ConfigError
-from mgpu.options import build, import_target
+from mgpu.options import build, import_target, option_name
 
 GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
@@ -272,6 +272,26 @@ def resolve_nproc(value: str, fixed: int | None, cuda_devices: int) -> int:
     return nproc
 
 
+def check_gpus(requested: Any, nproc: int, cuda_devices: int, strategy: str) -> None:
+    """Each process of a node takes a GPU of its own (`runtime.pick_device`): a host with
+    GPUs cannot run more processes than it has, where the last would fail in set_device."""
+    if not cuda_devices or nproc <= cuda_devices:
+        return
+    fits = f"launch.nproc_per_node={cuda_devices}"
+    if str(requested) != "auto":
+        why, fix = "", f"use {fits} or auto"
+    else:  # the strategy's fixed layout: smaller, or the same over several hosts
+        why = f"{strategy} lays one model over {nproc} ranks, so "
+        fix = f"lay the model over at most {cuda_devices} ranks"
+        if nproc % cuda_devices == 0:
+            fix += f", or over {nproc // cuda_devices} hosts ({fits} launch.nnodes=" \
+                   f"{nproc // cuda_devices})"
+    raise ConfigError(
+        f"launch.nproc_per_node={requested}: {why}each node starts {nproc} processes, one per "
+        f"GPU: needs {nproc} GPUs, found {cuda_devices}; {fix}"
+    )
+
+
 def check_root_schema(values: dict) -> None:
     """The root sections against the schema: catches keys added with `+` that Hydra let in."""
     root = {key: value for key, value in values.items() if key not in GROUPS}
@@ -433,6 +453,8 @@ def prepare(
         # An elastic job starts at its smallest size and may run at any up to the largest.
         world_sizes = [nodes * nproc for nodes in range(min_nodes, max_nodes + 1)]
         world_size = world_sizes[0]
+    check_gpus(values["launch"]["nproc_per_node"], nproc, cuda_devices,
+               option_name("strategy", values["strategy"]["_target_"]))
     values["launch"].update(nproc_per_node=nproc, world_size=world_size)
     values["output_dir"] = str(Path(values["output_dir"]).resolve())
     values["tracking"]["uri"] = resolve_tracking_uri(values["tracking"]["uri"])

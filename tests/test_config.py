@@ -14,6 +14,7 @@ from torch.utils.data import default_collate
 
 from mgpu import config
 from mgpu.config import GROUPS, Job
+from mgpu.errors import ConfigError
 from mgpu.options import build
 from mgpu.runtime import Runtime
 from mgpu.trainer import Trainer
@@ -84,6 +85,24 @@ def test_an_elastic_node_range_checks_the_batch_at_every_world_size_it_allows(tm
     assert "launch.nnodes=1:3" in line and "(6)" in line, line
     assert make_job(["launch.nnodes=1:3", "data.batch_size=96"], tmp_path).launch.world_size == 2
     assert make_job(["launch.nnodes=1:3", "data.batch_size=64", "balance=throughput"], tmp_path)
+
+
+def test_more_processes_than_the_hosts_gpus_is_refused_before_launch(tmp_path):
+    """strategy=hybrid dp=2 tp=2 starts 4 processes, one per GPU: on a 2-GPU host the fourth
+    would fail in set_device(3). Refused in the parent, in one line saying what it needs and
+    found, and the fix; 4 CPU processes (no GPU) and a layout that fits 2 GPUs prepare."""
+    hybrid = ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "model=gpt",
+              f"output_dir={tmp_path}", "tracking.enabled=false"]
+    with pytest.raises(ConfigError) as error:
+        config.prepare(compose_config(hybrid), cuda_devices=2, torchrun_world=None)
+    line = str(error.value)
+    assert "\n" not in line
+    assert "launch.nproc_per_node" in line and "4 GPUs" in line and "found 2" in line, line
+    job, _ = config.prepare(compose_config(hybrid), cuda_devices=0, torchrun_world=None)
+    assert job.launch.world_size == 4
+    fits = [arg.replace("strategy.dp=2", "strategy.dp=1") for arg in hybrid]
+    job, _ = config.prepare(compose_config(fits), cuda_devices=2, torchrun_world=None)
+    assert job.launch.nproc_per_node == 2
 
 # ---- experiment presets ----------------------------------------------------------------------
 
