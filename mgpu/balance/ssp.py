@@ -20,10 +20,15 @@ Under amp each step's averaged gradients carry the loss scale of the step they w
 at, which has changed by the time they are applied: they are unscaled by their own scale
 (`carried_scale`), and an overflow seen s steps late backs the scale off once.
 
-Same data and split as `none`; the metrics add `balance/staleness_steps` (the mean age, in
-steps, of the gradients applied since the last log point, from the steps they were computed
-at) and `balance/ahead_steps` (how many of its own steps a rank had in flight, not yet
-completed by every rank, when it finished a backward pass: how far ahead it actually ran).
+Same data and split as `none`; the metrics add `balance/ahead_steps`: how many of its earlier
+steps' all-reduces a rank found not yet completed when it finished a backward pass, the mean
+since the last log point, the largest over ranks. An all-reduce completes once every rank has
+started it, so this is how many steps beyond the one in progress a rank ran ahead of the
+slowest (0 where ranks keep in step, at most `staleness` - 1). The step in progress does not
+count: its all-reduce has just been launched and is in flight however close the ranks are.
+Completion is read from the collective's work (`Work.is_completed`), which on NCCL means
+finished on the GPU, not merely queued as `Future.done()` does. The age of the applied
+gradients is no figure: it is `staleness` by construction (a param of the run).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's `bucket` annotation at runtime.
@@ -61,14 +66,16 @@ class StaleGradients:
         self.step = 0  # synchronising backward passes seen so far
         # step → {parameter name: (future, averaged bucket, the parameter's view of it)}
         self.sent: dict[int, dict[str, tuple[Future, torch.Tensor, torch.Tensor]]] = {}
+        self.works: dict[int, list[dist.Work]] = {}  # step → its buckets' all-reduces
         self.applied: int | None = None  # the step whose gradients the last step got, if any
         # step → the loss scale its gradients carry (under amp), for the steps in `sent`
         self.scales: dict[int, torch.Tensor] = {}
-        self.ages: list[int] = []  # age of the gradients each step applied, since the last read
 
     def hook(self, state: object, bucket: GradBucket) -> Future[torch.Tensor]:
         averaged = bucket.buffer() * (1 / self.world_size)  # a copy: DDP reuses the buffer
-        future = dist.all_reduce(averaged, async_op=True).get_future()
+        work = dist.all_reduce(averaged, async_op=True)
+        self.works.setdefault(self.step, []).append(work)
+        future = work.get_future()
         params = bucket.parameters()
         views = self.sent.setdefault(self.step, {})
         for param, view in zip(params, averaged.split([p.numel() for p in params]), strict=True):
@@ -77,8 +84,6 @@ class StaleGradients:
         if bucket.is_last():
             source = self.step - self.staleness
             self.applied = source if source in self.sent else None
-            if self.applied is not None:
-                self.ages.append(self.step - self.applied)
             self.sent.pop(source, None)
             self.step += 1
         return result
@@ -98,9 +103,15 @@ class StaleGradients:
         futures = list({id(f): f for f, _, _ in pieces}.values())
         return collect_all(futures).then(lambda _: torch.cat(views))
 
-    def in_flight(self) -> int:
-        """Steps of this rank whose all-reduce has not completed yet."""
-        return sum(not all(f.done() for f, _, _ in views.values()) for views in self.sent.values())
+    def earlier_in_flight(self) -> int:
+        """This rank's steps before the one just synchronised whose all-reduce has not
+        completed: every rank has started a completed one, so these are steps some peer has
+        not reached yet. Forgets the works of completed steps."""
+        current = self.step - 1
+        for step in [s for s, works in self.works.items()
+                     if all(work.is_completed() for work in works)]:
+            del self.works[step]
+        return sum(step < current for step in self.works)
 
     def state_dict(self) -> dict:
         """The step count and the averaged gradients not yet applied, by step and parameter
@@ -170,7 +181,7 @@ class StaleSynchronous(EqualSplit):
 
     def after_backward(self) -> None:
         super().after_backward()
-        self.ahead += self.stale.in_flight()
+        self.ahead += self.stale.earlier_in_flight()
 
     def metrics(self) -> dict[str, float]:
         steps = self.clock.totals()["steps"] - self.logged["steps"]
@@ -178,9 +189,6 @@ class StaleSynchronous(EqualSplit):
         ahead = gather_rows([self.ahead / max(steps, 1)], self.runtime)[:, 0]
         self.ahead = 0
         metrics["balance/ahead_steps"] = float(ahead.max())
-        ages, self.stale.ages = self.stale.ages, []
-        if ages:  # the same on every rank: all apply the same steps' gradients
-            metrics["balance/staleness_steps"] = sum(ages) / len(ages)
         return metrics
 
     def state_dict(self) -> dict:
