@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -217,3 +218,27 @@ def test_warmup_counts_the_steps_of_this_process_after_a_resume():
     assert len(meter.durations) == 7
     assert timer.run_steps == 7
     assert "host/other_cpu_fraction" in meter.throughput()
+
+
+RANK1_EXTRA_BYTES = 1_500_000_000
+
+
+class HeavyOnRank1MLP(MLP):
+    """The MLP; rank 1 touches `RANK1_EXTRA_BYTES` of memory while building it, so its peak
+    is that much above any other rank's."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int,
+                 hidden: list[int] = (256, 256), dropout: float = 0.0) -> None:
+        super().__init__(input_shape, num_classes, hidden, dropout)
+        if dist.is_initialized() and dist.get_rank() == 1:
+            torch.ones(RANK1_EXTRA_BYTES // 4).sum()
+
+
+@pytest.mark.dist
+def test_peak_memory_is_the_highest_of_any_rank(tmp_path):
+    """Rank 1 peaks 1.5 GB higher than rank 0 (the process's peak resident set on CPU): the
+    logged peak is rank 1's, not rank 0's own."""
+    summary, _ = launch_job(["train.steps=2", "train.warmup_steps=0", "eval.every_steps=0",
+                             "checkpoint.every_steps=0",
+                             "model._target_=tests.test_figures.HeavyOnRank1MLP"], tmp_path)
+    assert summary["memory/peak_bytes"] > RANK1_EXTRA_BYTES, summary["memory/peak_bytes"]
