@@ -103,8 +103,6 @@ class Reference:
     initial: dict[str, torch.Tensor]  # parameters before the first step
     final: dict[str, torch.Tensor]  # parameters after the recorded steps
     skipped: list[int] = field(default_factory=list)  # steps (from 1) skipped as non-finite
-    longest_sum: int = 1  # terms in the longest sum the cell rounds (see `tolerance`)
-    depth: int = 1  # weight matrices (matrix products) on the way from input to loss
     growths: int = 0  # times amp's loss scale grew
 
 
@@ -131,10 +129,8 @@ def reference(job: Job, batches: list[list[list[Batch]]],
     if isinstance(options.strategy.plan(job.launch.world_size).data_parallel, FSDPOptions):
         compute_dtype = options.precision.param_dtype
     rule = Rule(options, len(batches), dict(zip(names, params, strict=True)), buckets)
-    longest = 1
     for step in range(len(batches[0])):
         positions = step_positions(batches, step)
-        longest = max(longest, positions)
         grads = [rank_gradient(model, rank[step], positions, len(batches), options.precision,
                                rule.scale, compute_dtype) for rank in batches]
         averaged = rule.combine(grads)
@@ -144,11 +140,8 @@ def reference(job: Job, batches: list[list[list[Batch]]],
         rule.end_step(applied)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    fan_in = max(p.numel() // p.shape[0] for p in params)
-    longest = max(longest, fan_in, rule.longest_sum)
     final = {n: p.detach().clone() for n, p in zip(names, params, strict=True)}
-    depth = sum(p.dim() >= 2 for p in params)
-    return Reference(initial, final, rule.skipped, longest, depth, rule.growths)
+    return Reference(initial, final, rule.skipped, rule.growths)
 
 
 def step_positions(batches: list[list[list[Batch]]], step: int) -> int:
@@ -205,7 +198,6 @@ class Rule:
         self.queue: dict[int, tuple[Grads, float]] = {}  # ssp: step -> (averaged, its scale)
         self.skipped: list[int] = []
         self.growths = 0
-        self.longest_sum = 1
         # Error memories per rank (unscaled), and what they become if the step applies.
         self.errors = [[torch.zeros_like(p) for p in params.values()] for _ in range(world_size)]
         self.pending: list[Grads] | None = None
@@ -255,7 +247,6 @@ class Rule:
         over all its values); every rank applies the mean of the messages."""
         signs = [[torch.where(x >= 0, x.abs().mean(), -x.abs().mean()) for x in rank]
                  for rank in inputs]
-        self.longest_sum = max(self.longest_sum, *(x.numel() for x in inputs[0]))
         return [torch.stack(ranks).mean(dim=0) for ranks in zip(*signs, strict=True)], signs
 
     def step(self, optimizer: torch.optim.Optimizer, params: list, grads: Grads,
@@ -383,7 +374,7 @@ def relative_error(run: dict[str, torch.Tensor], initial: dict[str, torch.Tensor
     return math.sqrt(diff / size)
 
 
-def tolerance(job: Job, ref: Reference) -> float:
+def tolerance(job: Job, batches: list[list[list[Batch]]]) -> float:
     """The relative error of the update a cell is held to: (2 d + 1)(3 u + sqrt(n) u32).
 
     The run and the reference compute the same quantities in different orders (another split
@@ -393,9 +384,9 @@ def tolerance(job: Job, ref: Reference) -> float:
     the result are rounded to the coarsest dtype the cell computes or sends gradients in (3 u,
     u its unit roundoff), and the sum inside is accumulated in fp32 (on CPU and GPU alike): a
     sum of n terms is off by about sqrt(n) u32 relative (rounding errors of random sign), n
-    the longest sum of the cell (`Reference.longest_sum`: the largest fan-in, the labelled
-    positions of a step, onebit's mean over a whole parameter). An error of that size in every
-    step's update stays of that size relative to their sum. fp32 cells: u = u32.
+    the longest sum of the cell (the largest fan-in, the labelled positions of a step,
+    onebit's mean over a whole parameter). An error of that size in every step's update stays
+    of that size relative to their sum. fp32 cells: u = u32.
     """
     options = Options.of(job.groups())
     dtypes = [torch.float32]
@@ -405,5 +396,11 @@ def tolerance(job: Job, ref: Reference) -> float:
         dtypes.append(torch.float16)
     if isinstance(options.compression, Bf16):
         dtypes.append(torch.bfloat16)
+    params = list(initial_model(job).parameters())
+    depth = sum(p.dim() >= 2 for p in params)
+    longest = max(max(p.numel() // p.shape[0] for p in params),
+                  *(step_positions(batches, step) for step in range(len(batches[0]))))
+    if isinstance(options.compression, OneBit):
+        longest = max(longest, *(p.numel() for p in params))
     u32, coarsest = UNIT_ROUNDOFF[torch.float32], max(UNIT_ROUNDOFF[d] for d in dtypes)
-    return (2 * ref.depth + 1) * (3 * coarsest + math.sqrt(ref.longest_sum) * u32)
+    return (2 * depth + 1) * (3 * coarsest + math.sqrt(longest) * u32)
