@@ -26,7 +26,7 @@ from mgpu.monitor.prometheus import free_port
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
 from mgpu.monitor.timing import WallClock, in_flight_s
 from mgpu.options import build
-from tests.conftest import QUICK, assert_refused, launch_job, make_job, mlflow_runs
+from tests.conftest import QUICK, ROOT, assert_refused, launch_job, make_job, mlflow_runs
 
 MLP_CFG = {"_target_": "mgpu.model.mlp.MLP", "hidden": [256, 256]}
 
@@ -253,6 +253,37 @@ def test_workers_fork_from_a_server_that_has_not_imported_prometheus_client():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+EXPORTER_STEPS = """
+import sys, urllib.request
+from pathlib import Path
+import torch
+from mgpu.config import MonitorConf
+from mgpu.monitor import Monitor
+from mgpu.runtime import Runtime
+
+out, port = Path(sys.argv[1]), int(sys.argv[2])
+runtime = Runtime(0, 0, 1, 1, torch.device("cpu"), out)
+monitor = Monitor(MonitorConf(prometheus_port=port), runtime, None, "", warmup_steps=0,
+                  local_batch=32, mfu=None)
+for step, samples in enumerate([32, 32, 40, 45], start=1):  # the split changed after step 2
+    monitor.end_step(step, samples)
+monitor.log_point(4, {}, 0.01)
+print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+monitor.close()
+"""
+
+
+def test_exporter_counts_the_samples_each_step_took_after_the_split_changes(tmp_path):
+    """A rank that took 32, 32, 40 and 45 samples (a balance moved work to it after step 2)
+    has taken 149, not 4 x its first share of 32. In a process of its own: the exporter sets
+    prometheus_client's multiprocess mode, which must not leak into the test process."""
+    port = free_port()
+    page = subprocess.run([sys.executable, "-c", EXPORTER_STEPS, str(tmp_path), str(port)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert page.returncode == 0, page.stderr[-3000:]
+    assert samples_total(page.stdout, 0) == 149
 
 
 @pytest.mark.e2e

@@ -46,8 +46,9 @@ class Monitor:
     ) -> None:
         """The `monitor` section's parts for this rank: `mfu` where the run's model and
         device have one (`MFU.for_run`), the first `warmup_steps` steps this process runs
-        (after a resume too) left out of the phase figures, `local_batch` samples per step
-        for the exporter."""
+        (after a resume too) left out of the phase figures, `local_batch` this rank's share
+        of the batch at the start (what the exporter counts for a step whose samples
+        `end_step` is not told)."""
         self.runtime, self.run_id, self.uri = runtime, run_id, tracking_uri
         self.enabled = cfg.enabled
         self.local_batch = local_batch
@@ -73,13 +74,17 @@ class Monitor:
         if self.telemetry:
             self.telemetry.start()
         self.window_steps = 0
+        self.window_samples = 0  # this rank's samples since the last log point
 
     def timed(self, hook: CommHook | None) -> CommHook | None:
         """The DDP comm hook to register: `hook` (None: DDP's built-in all-reduce) as it is
         when communication is not timed, else wrapped to time its collectives."""
         return self.comm.timed(hook) if self.comm else hook
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, samples: int | None = None) -> None:
+        """Step `step` ended, in which this rank took `samples` samples: a balance may change
+        its share from step to step (None: its share at the start, `local_batch`)."""
+        self.window_samples += self.local_batch if samples is None else samples
         if self.enabled:
             self.timer.end_step(step)
         if self.profiler:
@@ -100,7 +105,7 @@ class Monitor:
         window = self.timer.collect() if self.enabled else []
         if self.exporter:
             self.export(step, step_s, metrics, window)
-        self.window_steps = 0
+        self.window_steps = self.window_samples = 0
         if not self.enabled:
             return {}
         local = [
@@ -151,7 +156,7 @@ class Monitor:
         comm_s = float(np.mean([w["allreduce"] for w in window])) if window and self.comm else None
         comm_bytes = metrics.get("comm/bytes_per_step", 0.0) * self.window_steps
         self.exporter.update_window(
-            step, self.window_steps, self.window_steps * self.local_batch, step_s,
+            step, self.window_steps, self.window_samples, step_s,
             metrics.get("train/loss"), phases, comm_s, comm_bytes,
         )
 
