@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
-from mgpu.balance.steptime import StepTime, equal_finish_split, fit, remember, slowest_s
+from mgpu.balance.steptime import (
+    StepTime,
+    equal_finish_split,
+    fit,
+    next_split,
+    remember,
+    slowest_s,
+)
 from mgpu.balance.thermal import Thermal
 from mgpu.balance.throughput import Throughput
 from mgpu.checkpoint import pack, unpack
@@ -52,6 +59,9 @@ def test_equal_finish_split_is_exact_and_keeps_every_rank():
     assert equal_finish_split(fixed, 64, *anywhere(2, 64)) == [37, 27]
     assert equal_finish_split(straggler, 64, [32, 16], [64, 64]) == [43, 21]
     assert equal_finish_split(straggler, 64, [1, 1], [40, 64]) == [40, 24]  # the bound holds
+    # A flat line (no cost per sample) takes what the other rank cannot finish sooner.
+    flat = [StepTime(1e-3, 0.0), StepTime(0.0, 1e-4)]
+    assert equal_finish_split(flat, 64, *anywhere(2, 64)) == [54, 10]
 
 
 def test_equal_finish_split_has_the_shortest_slowest_rank_of_all_splits():
@@ -79,16 +89,35 @@ def test_fit_recovers_the_fixed_and_the_per_sample_cost():
     assert fitted.per_sample_s == pytest.approx(line.per_sample_s)
 
 
-def test_fit_of_one_size_or_of_noise_is_the_proportional_prior():
+def test_fit_of_one_size_is_the_proportional_prior_or_the_last_line_scaled():
     assert fit({32: (8e-3, 0)}, ema=0.5) == StepTime(0.0, 8e-3 / 32)
     # Older sizes weigh nothing at ema = 0: only the newest window counts.
     assert fit({16: (1e-3, 1), 32: (8e-3, 0)}, ema=0.0) == StepTime(0.0, 8e-3 / 32)
-    # A line through these has a negative fixed cost: least squares through the origin instead.
+    # A line fitted before keeps its ratio of fixed to per-sample cost, scaled to the newest
+    # measurement: this rank now takes 1.5x as long at 10 samples as the line said.
+    scaled = fit({10: (1.5 * 1.1e-3, 0)}, ema=0.5, prior=StepTime(1e-3, 1e-5))
+    assert scaled.fixed_s == pytest.approx(1.5e-3) and scaled.per_sample_s == pytest.approx(1.5e-5)
+
+
+def test_fit_of_noise_keeps_both_costs_non_negative():
+    # A line through these has a negative fixed cost: least squares through the origin instead,
+    # which fits them better than a flat line.
     fitted = fit({16: (1e-3, 0), 32: (4e-3, 0)}, ema=0.5)
     assert fitted.fixed_s == 0 and fitted.per_sample_s == pytest.approx(
         (16 * 1e-3 + 32 * 4e-3) / (16**2 + 32**2))
-    # Bigger batch, shorter step: no cost per sample is noise, not a machine.
-    assert fit({16: (5e-3, 0), 32: (4e-3, 0)}, ema=0.5).fixed_s == 0
+    # Bigger batch, shorter step: no cost per sample, a flat line through their mean.
+    flat = fit({16: (5e-3, 0), 32: (4e-3, 0)}, ema=0.5)
+    assert flat.per_sample_s == 0 and flat.fixed_s == pytest.approx(4.5e-3)
+
+
+def test_fit_of_times_that_do_not_fall_with_the_share_is_flat():
+    """A rank whose step is fixed cost, measured at 5, 3 and 2 samples with the noise of a
+    real window: its time does not fall with its share, so a share cut further gains nothing.
+    The line through the origin would read 1.1 ms at 2 samples as 0.3 ms per sample."""
+    fitted = fit({5: (1.10e-3, 2), 3: (1.12e-3, 1), 2: (1.11e-3, 0)}, ema=0.5)
+    assert fitted.per_sample_s == 0 and fitted.fixed_s == pytest.approx(1.11e-3, rel=0.01)
+    flat = [StepTime(0.7e-3, 5e-6), fitted]
+    assert next_split(flat, [62, 2], 64, 1, hysteresis=0.05) == [62, 2]
 
 
 def test_remember_ages_blends_and_forgets():
@@ -168,6 +197,27 @@ def test_noisy_rebalancing_settles_without_oscillating():
         changes = sum(a != b for a, b in zip([[32, 32], *chosen], chosen, strict=False))
         assert changes <= 8, chosen
         assert max(slowest_s(true, split) for split in chosen[3:]) < 1.1 * best, chosen
+
+
+def test_a_straggler_at_mostly_fixed_cost_is_not_starved():
+    """The default job's lines as measured on the 2-core machine (MLP on digits: 0.46 ms a step
+    plus 4.5 us a sample) with rank 1 2x slower at both, as simulated. No split evens them out
+    (rank 1 alone takes longer at 1 sample than rank 0 at 63); past [53, 11] halving rank 1's
+    share gains less than the 5 % hysteresis. Exact windows stop there and stay; with 2 % and
+    5 % noise, 30 seeds each, the split only moves toward rank 0, is always faster than the
+    equal one, keeps rank 1 at 3 samples or more and stays put for the last 15 windows --
+    also once the older sizes are forgotten (after 7 windows at ema 0.5)."""
+    fast = StepTime(0.46e-3, 4.5e-6)
+    true = [fast, fast.scaled(0.5)]
+    assert splits(true, [32, 32], 30) == [[43, 21]] + [[53, 11]] * 29
+    equal = slowest_s(true, [32, 32])
+    for noise, seed in itertools.product((0.02, 0.05), range(30)):
+        chosen = splits(true, [32, 32], 30, noise=noise, seed=seed)
+        shares = [split[0] for split in chosen]
+        assert shares == sorted(shares), chosen
+        assert max(slowest_s(true, split) for split in chosen) < equal, chosen
+        assert min(split[1] for split in chosen) >= 3, chosen
+        assert chosen[15:] == [chosen[-1]] * 15, chosen
 
 
 def test_the_fitted_state_resumes_exactly_through_a_checkpoint(tmp_path):
@@ -266,7 +316,12 @@ def rebalances(output_dir: Path) -> list[tuple[int, list[int]]]:
 @pytest.mark.dist
 def test_throughput_moves_work_off_a_straggler_and_stays_exact(tmp_path):
     """Rank 1 twice as slow: the split moves toward rank 0 at the first rebalancing and then
-    only further the same way (no oscillation); the weights equal one process's throughout."""
+    only further the same way (no oscillation); the weights equal one process's throughout.
+
+    How many times it moves on is the machine's: where a step is mostly fixed cost (a fast
+    core) the best split gives rank 1 fewer samples than where it is mostly per-sample work.
+    That it settles is checked on given step times (`test_a_straggler_at_mostly_fixed_cost_is_
+    not_starved`), not here."""
     steps = ["train.steps=50", "model.hidden=[512,512]"]
     _, single_w = launch_job([*SGD, *steps, "strategy=single"], tmp_path / "single")
     summary, weights = launch_job(
@@ -276,7 +331,7 @@ def test_throughput_moves_work_off_a_straggler_and_stays_exact(tmp_path):
     assert changes and changes[0][0] == 9, changes  # right after the 8 warm-up steps
     shares = [split[0] / 64 for _, split in changes]
     assert shares[0] >= 0.6, changes  # toward 2:1 (43:21) from 32:32
-    assert shares == sorted(shares) and len(changes) <= 3, changes
+    assert shares == sorted(shares), changes
     assert summary["balance/batch_rank0"] + summary["balance/batch_rank1"] == 64
     assert {"balance/imbalance", "balance/samples_per_s_rank1", "time/sync_wait_s"} <= set(summary)
     for name, value in single_w.items():

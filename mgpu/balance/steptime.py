@@ -14,10 +14,14 @@ fitted by weighted least squares over the local batch sizes the rank has run (`f
 measurements weighing more (`remember`). The split is then the one whose slowest rank is
 predicted to finish first (`equal_finish_split`): where the lines are straight it makes every
 rank finish together. With one size measured the fixed cost cannot be told from the per-sample
-one; the prior is then a line through the origin — the proportional split — which also moves the
-ranks to a second size, and from there on the fit has two. Two guards keep noise from moving
-the split (`next_split`): a new split must be predicted to gain more than a hysteresis, and no
-share more than doubles or halves at once.
+one. The first time, the prior is a line through the origin — the proportional split — which
+also moves the ranks to a second size, and from there on the fit has two. Later, once a rank
+has run one size long enough for the others to be forgotten, the prior is its last fitted line
+scaled through the new measurement: a rank that got slower is slower at both costs, and what
+was learnt of their ratio is kept (the line through the origin would read a mostly fixed step
+as all per-sample cost, and send the share down to one sample). Two guards keep noise from
+moving the split (`next_split`): a new split must be predicted to gain more than a hysteresis,
+and no share more than doubles or halves at once.
 
 All of it is plain arithmetic on Python floats, so every rank, given the same gathered
 measurements, computes bitwise the same split.
@@ -68,28 +72,40 @@ def remember(history: History, size: int, seconds: float, ema: float) -> History
     return aged
 
 
-def fit(history: History, ema: float) -> StepTime:
+def fit(history: History, ema: float, prior: StepTime | None = None) -> StepTime:
     """Least squares of busy seconds against local batch size, each size weighted by `ema` **
-    its age.
+    its age, with neither cost negative.
 
-    A negative fixed cost or a non-positive cost per sample is noise on sizes close together,
-    not a machine: then, and where only one size has weight, the fit is the line through the
-    origin (no fixed cost), the proportional prior.
+    Where the unconstrained line has a negative fixed cost or cost per sample (noise on sizes
+    close together, not a machine), the fit is the better of the two lines on that border: the
+    line through the origin (all cost per sample) or the flat line (all fixed cost), whichever
+    leaves the smaller weighted squared error. Times that do not grow with the size are then
+    flat: a share shrunk further would not finish sooner. With one size in the history the fit
+    is `prior` (the rank's last fitted line) scaled to pass through its measurement, or without
+    one the line through the origin, the proportional prior (see the module's docstring).
     """
     weights = {size: ema ** age for size, (_, age) in history.items()}
     total = sum(weights.values())
     mean_size = sum(w * size for size, w in weights.items()) / total
     mean_s = sum(w * history[size][0] for size, w in weights.items()) / total
     spread = sum(w * (size - mean_size) ** 2 for size, w in weights.items())
-    if spread > 0:
-        slope = sum(w * (size - mean_size) * (history[size][0] - mean_s)
-                    for size, w in weights.items()) / spread
-        fixed = mean_s - slope * mean_size
-        if slope > 0 and fixed >= 0:
-            return StepTime(fixed, slope)
-    through_origin = (sum(w * size * history[size][0] for size, w in weights.items())
-                      / sum(w * size * size for size, w in weights.items()))
-    return StepTime(0.0, through_origin)
+    through_origin = StepTime(0.0, sum(w * size * history[size][0] for size, w in weights.items())
+                              / sum(w * size * size for size, w in weights.items()))
+    if spread == 0:
+        size = next(iter(history))
+        if prior is None or prior.at(size) <= 0:
+            return through_origin
+        return prior.scaled(prior.at(size) / mean_s)
+    slope = sum(w * (size - mean_size) * (history[size][0] - mean_s)
+                for size, w in weights.items()) / spread
+    fixed = mean_s - slope * mean_size
+    if slope >= 0 and fixed >= 0:
+        return StepTime(fixed, slope)
+
+    def error(line: StepTime) -> float:
+        return sum(w * (line.at(size) - history[size][0]) ** 2 for size, w in weights.items())
+
+    return min((through_origin, StepTime(mean_s, 0.0)), key=error)
 
 
 def slowest_s(models: list[StepTime], sizes: list[int]) -> float:
@@ -107,9 +123,13 @@ def equal_finish_split(models: list[StepTime], total: int, low: list[int],
     rounded down. The few samples left go one at a time to the rank that would finish soonest
     with one more (ties to the lower rank, so every rank computes the same split).
     """
+    def size_at(model: StepTime, finish_s: float, lo: int, hi: int) -> int:
+        if model.per_sample_s == 0:  # flat: past its fixed cost it takes any size, at it none
+            return hi if finish_s > model.fixed_s else lo
+        return min(hi, max(lo, math.floor((finish_s - model.fixed_s) / model.per_sample_s)))
+
     def sizes_at(finish_s: float) -> list[int]:
-        return [min(hi, max(lo, math.floor((finish_s - m.fixed_s) / m.per_sample_s)))
-                for m, lo, hi in zip(models, low, high, strict=True)]
+        return [size_at(m, finish_s, lo, hi) for m, lo, hi in zip(models, low, high, strict=True)]
 
     early = min(m.at(lo) for m, lo in zip(models, low, strict=True))
     late = max(m.at(hi) for m, hi in zip(models, high, strict=True))

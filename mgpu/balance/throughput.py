@@ -134,9 +134,10 @@ class Throughput(EqualSplit):
         self.history = [remember(history, size, seconds, self.ema) for history, size, seconds
                         in zip(histories, self.sizes, medians, strict=True)]
         rates = torch.tensor(self.sizes, dtype=torch.float64) / torch.tensor(medians)
-        self.models = [fit(history, self.ema).scaled(speed)
-                       for history, speed in zip(self.history, self.speeds(rates).tolist(),
-                                                 strict=True)]
+        priors = self.models or [None] * len(self.sizes)
+        self.models = [fit(history, self.ema, prior).scaled(speed)
+                       for history, prior, speed in zip(self.history, priors,
+                                                        self.speeds(rates).tolist(), strict=True)]
         sizes = next_split(self.models, self.sizes, self.global_batch, self.grad_accum,
                            self.hysteresis)
         if sizes != self.sizes:
