@@ -113,13 +113,11 @@ class Trainer:
         # tp and pp peers) keep drawing alike, as their replicated activations need.
         torch.manual_seed(replica_seed(job.seed, data_runtime.rank))
         compression, balance = options.compression, options.balance
-        local_batch = balance.local_batch_size(
-            data.batch_size, data_runtime.rank, data_runtime.world_size)
         mfu = None
         if job.monitor.enabled:
             mfu = MFU.for_run(options.model, data, runtime.device, precision, runtime.world_size)
         monitor = Monitor(job.monitor, runtime, run_id, job.tracking.uri,
-                          job.train.warmup_steps, local_batch, mfu)
+                          job.train.warmup_steps, mfu)
         balance.attach(model, data_runtime, data.batch_size, job.train.grad_accum,
                        job.straggler, job.seed)
         # DDP takes one comm hook: at most one option owns it (a compression other than none,
@@ -179,8 +177,9 @@ class Trainer:
                 at.step = step
                 if step == fail_at:
                     fault.inject(self.fault_cfg.mode, self.runtime.rank, step, self.model)
-                meter.record(step, *self.train_step())
-                self.monitor.end_step(step)
+                loss_sum, samples = self.train_step()
+                meter.record(step, loss_sum, samples)
+                self.monitor.end_step(step, samples)
                 if step % log_every == 0 or step == steps:
                     with meter.stall():
                         metrics = self.log_point(step, meter)

@@ -266,7 +266,7 @@ from mgpu.runtime import Runtime
 out, port = Path(sys.argv[1]), int(sys.argv[2])
 runtime = Runtime(0, 0, 1, 1, torch.device("cpu"), out)
 monitor = Monitor(MonitorConf(prometheus_port=port), runtime, None, "", warmup_steps=0,
-                  local_batch=32, mfu=None)
+                  mfu=None)
 for step, samples in enumerate([32, 32, 40, 45], start=1):  # the split changed after step 2
     monitor.end_step(step, samples)
 monitor.log_point(4, {}, 0.01)

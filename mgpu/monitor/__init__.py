@@ -42,16 +42,13 @@ WINDOW_KEYS = ("compute_before_comm", "allreduce")
 class Monitor:
     def __init__(
         self, cfg: MonitorConf, runtime: Runtime, run_id: str | None, tracking_uri: str,
-        warmup_steps: int, local_batch: int, mfu: MFU | None,
+        warmup_steps: int, mfu: MFU | None,
     ) -> None:
         """The `monitor` section's parts for this rank: `mfu` where the run's model and
         device have one (`MFU.for_run`), the first `warmup_steps` steps this process runs
-        (after a resume too) left out of the phase figures, `local_batch` this rank's share
-        of the batch at the start (what the exporter counts for a step whose samples
-        `end_step` is not told)."""
+        (after a resume too) left out of the phase figures."""
         self.runtime, self.run_id, self.uri = runtime, run_id, tracking_uri
         self.enabled = cfg.enabled
-        self.local_batch = local_batch
         self.comm = CommMeter(runtime.device) if self.enabled and runtime.world_size > 1 else None
         self.timer: PhaseTimer | NullTimer = (
             PhaseTimer(runtime.device, warmup_steps, self.comm)
@@ -81,10 +78,10 @@ class Monitor:
         when communication is not timed, else wrapped to time its collectives."""
         return self.comm.timed(hook) if self.comm else hook
 
-    def end_step(self, step: int, samples: int | None = None) -> None:
-        """Step `step` ended, in which this rank took `samples` samples: a balance may change
-        its share from step to step (None: its share at the start, `local_batch`)."""
-        self.window_samples += self.local_batch if samples is None else samples
+    def end_step(self, step: int, samples: int) -> None:
+        """Step `step` ended, in which this rank took `samples` samples (a balance may change
+        its share from step to step)."""
+        self.window_samples += samples
         if self.enabled:
             self.timer.end_step(step)
         if self.profiler:
