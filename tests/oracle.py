@@ -11,8 +11,10 @@ cell's options state:
 - fp16/bf16 on the wire: each rank's gradient rounded to that dtype, divided by the world
   size and summed in it;
 - onebit: per rank and parameter, the gradient plus its error memory, sent as its signs times
-  the mean absolute value; the mean of what the ranks sent is applied, and each rank keeps what
-  its message missed (plain all-reduce during warm-up);
+  the mean absolute value; each rank keeps what its message missed (plain all-reduce during
+  warm-up). On two ranks the mean of the messages is applied. On more, that mean is cut into
+  W contiguous chunks per parameter, and each chunk plus its own (server) error memory is
+  compressed the same way again, keeping what that missed: the compressed chunks are applied;
 - PowerSGD: per matrix, P = sum over ranks of (gradient + error) Q, orthogonalised, then
   Q = the mean of (gradient + error)^T P, and P Q^T is applied; vectors and matrices not worth
   compressing are averaged plainly (with error feedback too); Q warm-starts from the last step
@@ -201,6 +203,9 @@ class Rule:
         # Error memories per rank (unscaled), and what they become if the step applies.
         self.errors = [[torch.zeros_like(p) for p in params.values()] for _ in range(world_size)]
         self.pending: list[Grads] | None = None
+        # onebit's server side (W > 2): (parameter index, chunk) -> error memory (unscaled)
+        self.server_errors: dict[tuple[int, int], torch.Tensor] = {}
+        self.server_pending: dict[tuple[int, int], torch.Tensor] = {}
         self.powersgd = None
         if isinstance(self.compression, PowerSGD):
             self.powersgd = PowerSGDReference(self.compression.settings, params, buckets)
@@ -247,7 +252,24 @@ class Rule:
         over all its values); every rank applies the mean of the messages."""
         signs = [[torch.where(x >= 0, x.abs().mean(), -x.abs().mean()) for x in rank]
                  for rank in inputs]
-        return [torch.stack(ranks).mean(dim=0) for ranks in zip(*signs, strict=True)], signs
+        means = [torch.stack(ranks).mean(dim=0) for ranks in zip(*signs, strict=True)]
+        if self.world_size <= 2:
+            return means, signs
+        return [self.server_side(i, mean) for i, mean in enumerate(means)], signs
+
+    def server_side(self, index: int, mean: torch.Tensor) -> torch.Tensor:
+        """The mean message of a parameter, compressed again chunk by chunk with the chunk's
+        error memory."""
+        values, w = mean.reshape(-1), self.world_size
+        width = -(-values.numel() // w)
+        sent = []
+        for chunk, piece in enumerate(values.split(width)):
+            memory = self.server_errors.get((index, chunk), torch.zeros_like(piece))
+            x = piece + memory * self.scale
+            scale = x.abs().mean()
+            sent.append(torch.where(x >= 0, scale, -scale))
+            self.server_pending[index, chunk] = (x - sent[-1]) / self.scale
+        return torch.cat(sent).view_as(mean)
 
     def step(self, optimizer: torch.optim.Optimizer, params: list, grads: Grads,
              carried: float) -> bool:
@@ -279,6 +301,8 @@ class Rule:
     def end_step(self, applied: bool) -> None:
         if self.pending is not None and applied:
             self.errors = self.pending
+            self.server_errors.update(self.server_pending)
+        self.server_pending = {}
         if self.powersgd:
             self.powersgd.end_step(applied)
         self.pending = None

@@ -128,7 +128,8 @@ def train_each(jobs: dict[str, dict]) -> dict[str, dict]:
 def test_bytes_on_the_wire_follow_the_collective_at_each_world_size(world_size, tmp_path,
                                                                     monkeypatch):
     """Ring all-reduce of S bytes sends 2(W-1)/W x S per rank, all_gather of P bytes (W-1) x P:
-    plain, fp16 and PowerSGD keep their ratio at any W; onebit's is ~64/W. The monitor's
+    plain, fp16 and PowerSGD keep their ratio at any W, and so does onebit (about 32: at W > 2
+    a compressed all-reduce, all_to_all then all_gather of N/8-byte messages). The monitor's
     bandwidth divides those same bytes by its measured time. Steps 4-6, after the warm-ups."""
     quick = ["strategy=ddp", f"launch.nproc_per_node={world_size}", "train.steps=6",
              "train.warmup_steps=0", "train.log_every=3", "eval.every_steps=0",
@@ -157,7 +158,7 @@ def test_bytes_on_the_wire_follow_the_collective_at_each_world_size(world_size, 
     assert results["fp16"]["comm/compression_ratio"] == 2.0
     assert results["powersgd"]["comm/compression_ratio"] > 2
     onebit = results["onebit"]
-    assert 0.95 * 64 / world_size < onebit["comm/compression_ratio"] <= 64 / world_size
+    assert 30 <= onebit["comm/compression_ratio"] <= 32
     assert onebit["comm/bandwidth_GBps"] == pytest.approx(
         onebit["comm/bytes_per_step"] / onebit["comm/allreduce_s"] / 1e9, rel=1e-9)
 

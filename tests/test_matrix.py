@@ -70,7 +70,8 @@ SHORT = {
     # The scale overflows at once and backs off, then grows every 2 clean steps: both happen
     # within the first steps, where the reference follows every change of scale.
     "precision=amp": ["precision.init_scale=262144", "precision.growth_interval=2"],
-    "compression=onebit": ["compression.warmup_steps=2"],
+    # Four ranks: onebit's compressed all-reduce (two ranks gather every message instead).
+    "compression=onebit": ["compression.warmup_steps=2", "launch.nproc_per_node=4"],
     "compression=powersgd": ["compression.start_powerSGD_iter=2"],
     "balance=throughput": ["balance.warmup_steps=3", "balance.rebalance_every=2"],
     "balance=thermal": ["balance.warmup_steps=3", "balance.rebalance_every=2"],
@@ -84,13 +85,15 @@ REFUSED = refused_rows(OPTIONS)
 
 #: Where a balance splits the batch by speed and several ranks share it: the last rank three
 #: times slower, so the shares become uneven within the run and the reference weighs them.
-STRAGGLER = "straggler.slowdown=[1.0,3.0]"
+STRAGGLER = "straggler.slowdown="
 
 
 def cell_overrides(row) -> list[str]:
     short = [s for option in row.values() for s in SHORT.get(option.name, [])]
     uneven = row["balance"].declares("uneven") and row["strategy"].name != "strategy=single"
-    return [*overrides(row), *RUN, *short, *([STRAGGLER] if uneven else [])]
+    ranks = 4 if "launch.nproc_per_node=4" in short else 2
+    straggler = [f"{STRAGGLER}[{','.join(['1.0'] * (ranks - 1) + ['3.0'])}]"] if uneven else []
+    return [*overrides(row), *RUN, *short, *straggler]
 
 
 # ---- the matrix itself -----------------------------------------------------------------------
@@ -328,11 +331,10 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
         first, resumed = records[0, rank], records[1, rank]
         assert first["error"] is None, first["error"]
         assert resumed["error"] is None, resumed["error"]
-        # Uninterrupted run: replicas in step, loss finite and falling, predictions agree.
+        # Uninterrupted run: replicas in step, loss finite, predictions agree.
         assert first["diverged"] == [] and resumed["diverged"] == []
         losses = [first["losses"][step] for step in range(1, STEPS + 1)]
         assert all(math.isfinite(loss) for loss in losses), losses
-        assert sum(losses[-3:]) < sum(losses[:3]), losses
         assert first["probe_agrees"] and resumed["probe_agrees"]
         # Killed after the checkpoint at step 6, restarted: every stateful part comes back as
         # it was saved, and the run redoes steps 7..10 exactly.
@@ -347,6 +349,10 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
             assert resumed["eval"] == first["eval"]
             for key, value in first["state"].items():
                 assert torch.equal(resumed["state"][key], value), key
+    # The loss over the global batch falls (one rank's share of it is too small to tell).
+    losses = [global_loss([records[0, r] for r in range(world_size)], step)
+              for step in range(1, STEPS + 1)]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
     if not deterministic:
         assert_resumed_within_rounding(name, records, world_size, tmp_path_factory)
 
@@ -412,7 +418,7 @@ def test_supported_combination_matches_its_reference(name, matrix_results, tmp_p
                             f"{bound:.2e}; skipped steps {ref.skipped}, shares {shares}")
     if RUNS[name]["precision"].declares("loss_scaling"):  # the scale moved both ways
         assert ref.skipped and ref.growths, (ref.skipped, ref.growths)
-    if STRAGGLER in cell_overrides(RUNS[name]):  # the reference weighed uneven shares
+    if any(STRAGGLER in o for o in cell_overrides(RUNS[name])):  # it weighed uneven shares
         assert any(len(set(share)) > 1 for share in shares), shares
     # What the run predicts (every strategy's own evaluation path: a pipeline's last stage,
     # tensor-parallel shards gathered) is what the model computes with the run's weights.

@@ -33,6 +33,12 @@ def all_reduce_wire_bytes(nbytes: int, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * nbytes
 
 
+def all_to_all_wire_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends to exchange `nbytes` in `world_size` equal pieces, one per rank
+    (its own piece stays)."""
+    return (world_size - 1) / world_size * nbytes
+
+
 def all_gather_wire_bytes(nbytes: int, world_size: int) -> float:
     """Bytes one rank sends to all-gather `nbytes` from every one of `world_size` ranks (ring)."""
     return (world_size - 1) * nbytes
@@ -110,6 +116,14 @@ class CommHookCompression:
         gathered = tensor.new_empty(group.size() * tensor.numel())  # gloo wants it flat
         work = all_gather_single(gathered, tensor, group=group, async_op=True)
         return work.get_future().then(lambda _: gathered.view(group.size(), *tensor.shape))
+
+    def all_to_all(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Future[torch.Tensor]:
+        """Row i of `tensor` (one row per rank) goes to rank i; the future holds row i of every
+        rank i, stacked in rank order. Counts the bytes this rank sends."""
+        self.wire_bytes += all_to_all_wire_bytes(tensor.nbytes, group.size())
+        received = torch.empty_like(tensor)
+        work = dist.all_to_all_single(received, tensor, group=group, async_op=True)
+        return work.get_future().then(lambda _: received)
 
     def allreduce_hook(self, group: dist.ProcessGroup, bucket: dist.GradBucket
                        ) -> Future[torch.Tensor]:

@@ -1,9 +1,20 @@
 """1-bit sign compression with error feedback: the idea behind 1-bit Adam.
 
-Each rank adds its residual to the gradient bucket, sends the signs packed 8 per byte plus one
-fp32 scale per parameter (the mean absolute value of its values), and keeps as its new residual
-what that missed. The ranks' payloads travel by all_gather (gloo and nccl alike); every rank
-decodes all of them and takes the mean, so all ranks apply the same update.
+Each rank adds its residual to the gradient bucket and compresses it: the signs packed 8 per
+byte plus one fp32 scale per parameter (the mean absolute value of its values); it keeps as its
+new residual what that missed (worker-side error feedback). How the messages are averaged
+depends on the world size W, chosen when the hook is registered and logged:
+
+- W <= 2: every rank's whole message goes to every other by all_gather, and each rank decodes
+  them all and takes the mean. A rank sends (W - 1) x N/8 bytes for N values: 1/32 of the fp32
+  all-reduce's 2 (W - 1)/W x 4N at W = 2, but ever less saved as W grows.
+- W > 2: a compressed all-reduce. Each parameter's values are cut into W chunks and rank j owns
+  chunk j of every parameter: the messages' chunks go to their owners by all_to_all, each owner
+  averages what it got, adds its own (server-side) residual, compresses the average again (one
+  scale per parameter chunk) and keeps what that missed; the compressed averages come back to
+  every rank by all_gather. A rank sends 2 (W - 1)/W x N/8 bytes: 1/32 at any W.
+
+Every rank decodes the same compressed averages, so all ranks apply the same update.
 
 A scale per parameter, not per bucket: which bucket a parameter lands in is DDP's choice (its
 bucket size, and the rebuild after the first step of every run, resumed ones too), so with a
@@ -13,16 +24,23 @@ what the uninterrupted one did.
 Residuals are kept in unscaled units (under amp the gradients arrive multiplied by the loss
 scale, which changes between steps), and a step's new residuals are kept only if its optimizer
 step was applied: a skipped non-finite step leaves them as they were, instead of an inf or NaN
-that would poison every later step.
+that would poison every later step. Both are checkpointed by parameter name; the server-side
+ones belong to chunk owners, so a run resumed at another world size starts them at zero (said
+in one log line): its chunks are cut differently, and a chunk's residual means nothing to a
+rank owning another range of values.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
 
 from mgpu.compression.commhook import CommHookCompression
 from mgpu.errors import ConfigError
+
+log = logging.getLogger("mgpu.compression")
 
 BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -57,12 +75,54 @@ def encode(compensated: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, t
     return torch.cat([pack_signs(compensated), scales.view(torch.uint8)]), transmitted
 
 
+def decode_chunks(gathered: torch.Tensor, sizes: list[int], widths: list[int]) -> torch.Tensor:
+    """The bucket from every owner's compressed average (row j: chunk j of every parameter,
+    packed signs then one scale per parameter chunk)."""
+    world = gathered.shape[0]
+    scales = gathered[:, -4 * len(sizes):].clone(memory_format=torch.contiguous_format)
+    scales = scales.view(torch.float32)  # (world, params)
+    offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
+    values = []
+    for p, numel in enumerate(sizes):
+        width = chunk_width(numel, world)
+        signs = unpack_signs(gathered[:, offsets[p] : offsets[p + 1]], width)  # (world, width)
+        values.append((signs * scales[:, p : p + 1]).reshape(-1)[:numel])
+    return torch.cat(values)
+
+
 def decode_mean(payloads: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """The mean over ranks (rows of `payloads`) of each rank's scales x signs."""
     scale_bytes = 4 * len(sizes)
     signs = unpack_signs(payloads[:, :-scale_bytes], sum(sizes))
     scales = payloads[:, -scale_bytes:].clone(memory_format=torch.contiguous_format)
     return (signs * spread(scales.view(torch.float32), sizes)).mean(dim=0)
+
+
+def chunk_width(numel: int, world_size: int) -> int:
+    """Values per chunk where `numel` values are cut into `world_size` chunks (the last ones
+    shorter, or empty)."""
+    return -(-numel // world_size)
+
+
+def chunk_range(numel: int, world_size: int, owner: int) -> tuple[int, int]:
+    """[start, end) of chunk `owner` of `numel` values."""
+    width = chunk_width(numel, world_size)
+    return min(owner * width, numel), min((owner + 1) * width, numel)
+
+
+def pack_chunks(values: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The signs of `values` cut into `world_size` chunks: one row of packed bytes per chunk,
+    every row as long (padding values count as +)."""
+    width = chunk_width(values.numel(), world_size)
+    padded = torch.nn.functional.pad(values.reshape(-1), (0, world_size * width - values.numel()))
+    return torch.stack([pack_signs(row) for row in padded.view(world_size, width)])
+
+
+def signed_scales(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the scale, what values stand for once compressed): the mean absolute value, with each
+    value's sign. An empty chunk has scale 0."""
+    scale = values.abs().mean() if values.numel() else values.new_zeros(())
+    return scale.float(), torch.where(values >= 0, scale, -scale).to(values.dtype)
 
 
 class OneBit(CommHookCompression):
@@ -78,7 +138,19 @@ class OneBit(CommHookCompression):
         # into the flat residual of the bucket that holds the parameter now.
         self.residuals: dict[str, torch.Tensor] = {}
         self.flat: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket -> (names, flat)
+        # Server-side residuals of the parameter chunks this rank owns (W > 2), unscaled.
+        self.server: dict[str, torch.Tensor] = {}
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residual, its next value)
+        self.all_to_all_path = False  # compressed all-reduce (W > 2), else all_gather
+
+    def comm_hook(self, model):
+        hook = super().comm_hook(model)
+        self.all_to_all_path = self.world_size > 2
+        log.info("compression=onebit at world size %d: %s", self.world_size,
+                 "compressed all-reduce (all_to_all to chunk owners, all_gather of their "
+                 "compressed averages)" if self.all_to_all_path else
+                 "all_gather of every rank's message (as few bytes, one round)")
+        return hook
 
     def end_step(self, applied: bool) -> None:
         """Keep the step's new residuals if its update was applied; else drop them."""
@@ -100,14 +172,70 @@ class OneBit(CommHookCompression):
         compensated = buffer + (residual if scale is None else residual * scale)
         payload, transmitted = encode(compensated, sizes)
         # What this rank's message missed, unscaled: the residual once the step is applied.
-        missed = compensated - transmitted
-        self.pending.append((residual, missed if scale is None else missed / scale))
+        self.keep_missed(residual, compensated - transmitted)
+        if self.all_to_all_path:
+            return self.compressed_all_reduce(group, bucket, compensated, sizes)
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
             buffer.copy_(decode_mean(fut.value(), sizes))
             return buffer
 
         return self.all_gather(payload, group).then(decompress)
+
+    def keep_missed(self, residual: torch.Tensor, missed: torch.Tensor) -> None:
+        """`missed` (scaled as this step's gradients) becomes `residual` once the step applies."""
+        scale = self.grad_scale
+        self.pending.append((residual, missed if scale is None else missed / scale))
+
+    def compressed_all_reduce(self, group, bucket: dist.GradBucket, compensated: torch.Tensor,
+                              sizes: list[int]) -> torch.futures.Future:
+        """The messages' chunks to their owners (all_to_all), each owner's compressed average
+        of its chunks back to every rank (all_gather), decoded into the bucket."""
+        world, names = group.size(), [self.names[id(p)] for p in bucket.parameters()]
+        pieces = compensated.split(sizes)
+        scales = torch.stack([piece.abs().mean() for piece in pieces]).to(torch.float32)
+        rows = [pack_chunks(piece, world) for piece in pieces]
+        scale_bytes = scales.view(torch.uint8).expand(world, -1)
+        messages = torch.cat([*rows, scale_bytes], dim=1).contiguous()
+        widths = [row.shape[1] for row in rows]
+        buffer = bucket.buffer()
+
+        def average_and_gather(fut: torch.futures.Future) -> torch.Tensor:
+            received = fut.value()  # (world, message bytes): this rank's chunks from each rank
+            averages = self.server_step(received, names, sizes, widths, group.rank(), world)
+            gathered = self.all_gather(averages, group).wait()
+            buffer.copy_(decode_chunks(gathered, sizes, widths))
+            return buffer
+
+        return self.all_to_all(messages, group).then(average_and_gather)
+
+    def server_step(self, received: torch.Tensor, names: list[str], sizes: list[int],
+                    widths: list[int], owner: int, world: int) -> torch.Tensor:
+        """Average this rank's chunk of every parameter over the ranks' messages, add its
+        server residual, compress again: the packed signs and one scale per chunk."""
+        senders = received[:, -4 * len(sizes):].clone(memory_format=torch.contiguous_format)
+        senders = senders.view(torch.float32)  # (world, params)
+        offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
+        signs, chunk_scales = [], []
+        for p, (name, numel) in enumerate(zip(names, sizes, strict=True)):
+            start, end = chunk_range(numel, world, owner)
+            width = chunk_width(numel, world)
+            sent = unpack_signs(received[:, offsets[p] : offsets[p + 1]], width)[:, : end - start]
+            average = (sent * senders[:, p : p + 1]).mean(dim=0)
+            residual = self.server_residual(name, end - start, average)
+            scale = self.grad_scale
+            compensated = average + (residual if scale is None else residual * scale)
+            chunk_scale, transmitted = signed_scales(compensated)
+            self.keep_missed(residual, compensated - transmitted)
+            padded = torch.nn.functional.pad(compensated, (0, width - (end - start)))
+            signs.append(pack_signs(padded))
+            chunk_scales.append(chunk_scale)
+        return torch.cat([*signs, torch.stack(chunk_scales).view(torch.uint8)])
+
+    def server_residual(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        if name not in self.server:
+            self.server[name] = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return self.server[name]
 
     def bucket_residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """The bucket's flat residual, rebuilt from the per-parameter ones for a new layout."""
@@ -128,10 +256,22 @@ class OneBit(CommHookCompression):
         return flat
 
     def state_dict(self) -> dict:
-        """This rank's residuals by parameter name, and the step count (for `warmup_steps`)."""
-        return {"step": self.step, "residuals": {n: r.clone() for n, r in self.residuals.items()}}
+        """This rank's residuals by parameter name: its own (worker side) and those of the
+        chunks it owns (server side, at this world size), and the step count (for
+        `warmup_steps`)."""
+        return {"step": self.step, "world_size": self.world_size,
+                "residuals": {n: r.clone() for n, r in self.residuals.items()},
+                "server": {n: r.clone() for n, r in self.server.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
         self.flat = {}
+        saved_world = state.get("world_size", self.world_size)
+        if saved_world == self.world_size:
+            self.server = {n: r.clone() for n, r in state.get("server", {}).items()}
+        elif state.get("server"):
+            log.info("compression=onebit: server-side residuals start at zero (saved at world "
+                     "size %d, now %d: the chunks each rank owns are cut differently)",
+                     saved_world, self.world_size)
+            self.server = {}
