@@ -427,7 +427,32 @@ def bench_compression(rounds: int, workdir: Path) -> dict:
     report["setup"] = ("MLP 64-256-256-10 on digits (one DDP bucket, 340 kB), global batch 64, "
                        "500 steps, AdamW cosine, 2 gloo processes; bytes: what one rank puts "
                        "on the wire per optimizer step (ring all-reduce / all_gather)")
+    report["onebit_by_world_size"] = onebit_by_world_size(workdir)
     return report
+
+
+def onebit_by_world_size(workdir: Path) -> dict:
+    """onebit against the fp32 all-reduce at 2, 4 and 8 processes: bytes one rank sends per
+    step after the warm-up (short runs), and at 4 processes the default run's accuracy beside
+    compression=none's."""
+    short = ["strategy=ddp", "eval.every_steps=0", "checkpoint.every_steps=0",
+             "train.steps=40", "train.log_every=20", "compression.warmup_steps=10"]
+    figures = {}
+    for world in (2, 4, 8):
+        ranks = f"launch.nproc_per_node={world}"
+        plain = run_mgpu([*short[:-1], ranks], workdir)["comm/bytes_per_step"]
+        onebit = run_mgpu([*short, ranks, "compression=onebit"], workdir)
+        figures[f"W{world}"] = {
+            "fp32_allreduce_bytes_per_step": plain,
+            "onebit_bytes_per_step": onebit["comm/bytes_per_step"],
+            "wire_ratio": plain / onebit["comm/bytes_per_step"],
+        }
+    default = ["strategy=ddp", "launch.nproc_per_node=4", "eval.every_steps=0",
+               "checkpoint.every_steps=0"]
+    figures["W4_eval_accuracy"] = {
+        name: run_mgpu([*default, f"compression={name}"], workdir)["eval/accuracy"]
+        for name in ("none", "onebit")}
+    return figures
 
 
 STRATEGIES = {

@@ -171,6 +171,23 @@ def test_powersgd_survives_a_skipped_first_compressed_step(tmp_path):
     assert all(w.isfinite().all() for w in weights.values())
 
 
+@pytest.mark.dist
+def test_onebit_server_residuals_reset_at_another_world_size_and_say_so(tmp_path):
+    """Saved on 4 ranks (a compressed all-reduce: each rank owns a quarter of every
+    parameter's server-side residual), resumed on 2: the chunks are cut otherwise, so the
+    server-side residuals start at zero, in one log line; the worker-side ones carry over."""
+    run = [*QUICK, "train.steps=6", "compression=onebit", "compression.warmup_steps=2",
+           "checkpoint.every_steps=6"]
+    launch_job([*run, "launch.nproc_per_node=4"], tmp_path / "four")
+    saved = saved_rank_state(tmp_path / "four" / "checkpoints" / "step_00000006", 1)
+    assert saved["compression"]["world_size"] == 4 and saved["compression"]["server"]
+    resume = f"resume={tmp_path / 'four' / 'checkpoints' / 'step_00000006'}"
+    launch_job([*run, "train.steps=8", "launch.nproc_per_node=2", resume], tmp_path / "two")
+    log = (tmp_path / "two" / "logs" / "rank0.log").read_text()
+    assert log.count("server-side residuals start at zero (saved at world size 4, now 2") == 1
+    assert "compression=onebit at world size 2: all_gather" in log
+
+
 def saved_rank_state(path: Path, rank: int) -> dict:
     """What rank `rank` saved of its own (RNG, compression) in the checkpoint at `path`."""
     state = {f"rank{rank}": b""}
