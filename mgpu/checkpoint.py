@@ -423,7 +423,15 @@ class Checkpointer:
             pending.result()
 
     def commit(self, partial: Path, step: int) -> None:
-        """Rank 0: record every file's size and hash, then rename the folder into place."""
+        """Rank 0: check every rank's shard is there, record every file's size and hash, then
+        rename the folder into place."""
+        missing = missing_shards(partial)
+        if missing:
+            raise RuntimeError(
+                f"checkpoint step {step} not committed: {', '.join(missing)} missing from "
+                f"{partial} (written by other ranks elsewhere?); checkpoint.dir must be one "
+                f"folder every node shares"
+            )
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
                  for p in sorted(partial.iterdir()) if p.is_file()}
         record = {"step": step, "world_size": self.runtime.world_size, "run_id": self.run_id,
@@ -488,6 +496,17 @@ class Checkpointer:
         """Let go of the finisher thread without waiting: on a failure its save may never end
         (a peer is gone); the normal path has waited for it already (`wait`)."""
         self.finisher.shutdown(wait=False, cancel_futures=True)
+
+
+def missing_shards(partial: Path) -> list[str]:
+    """The files DCP's `.metadata` says the ranks wrote that are not in `partial`.
+
+    Each rank writes its own shard files and rank 0 writes the metadata naming all of them;
+    a rank whose folder is another (a node's local disk) leaves its shard out of rank 0's.
+    """
+    storage = SafeReader(partial).read_metadata().storage_data
+    names = {info.relative_path for info in storage.values()}
+    return sorted(name for name in names if not (partial / name).is_file())
 
 
 def write_file_durably(path: Path, text: str) -> None:

@@ -305,3 +305,20 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="posix.system: refused"):
         SafeReader(str(tmp_path)).read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_commit_refuses_a_checkpoint_missing_a_rank_s_shard(tmp_path):
+    """A rank whose `checkpoint.dir` is another folder (a node that does not share the
+    filesystem) writes its shard elsewhere: DCP's `.metadata` still names it, and rank 0 must
+    not commit a checkpoint without it."""
+    root = tmp_path / "checkpoints"
+    cfg = CheckpointConf(dir=str(root), every_steps=10, keep_last=2, async_save=False)
+    checkpointer = Checkpointer(cfg, "auto", Runtime(0, 0, 2, 1, torch.device("cpu"), root), None)
+    partial = root / f"step_00000010.partial.{checkpointer.token}"
+    dcp.save({"weight": torch.ones(64)}, checkpoint_id=partial, no_dist=True)
+    (partial / "__0_0.distcp").rename(tmp_path / "__0_0.distcp")  # written on another node
+    with pytest.raises(RuntimeError, match=r"__0_0\.distcp missing.*every node shares"):
+        checkpointer.commit(partial, 10)
+    checkpointer.close()
+    assert committed(root) == [] and partial.is_dir()
