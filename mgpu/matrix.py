@@ -37,9 +37,9 @@ END = "<!-- end of support matrix -->"
 #: What each axis's options declare, as shown in the declarations tables.
 DECLARATIONS = {
     "strategy": ("replicates_params", "supports_comm_hook", "shards_optimizer", "pipelined",
-                 "uneven_batches", "model_plans"),
+                 "uneven_batches", "model_plans", "sets_reduce_dtype"),
     "precision": ("loss_scaling",),
-    "compression": ("needs_comm_hook", "stateful", "exact"),
+    "compression": ("needs_comm_hook", "stateful", "exact", "wire_dtype"),
     "balance": ("uneven", "needs_comm_hook", "stateful", "exact", "deterministic"),
     "model": ("batch_statistics", "language_model"),
     "data": ("next_token",),

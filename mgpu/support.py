@@ -98,12 +98,20 @@ def one_process(strategy: Option) -> bool:
 
 
 def compression_needs_a_comm_hook(compression: Option, strategy: Option) -> str | None:
-    """A compression that is a DDP comm hook needs a strategy whose model takes one."""
+    """A compression that is a DDP comm hook needs a strategy whose model takes one (FSDP2
+    has no reduce-scatter comm hook, so PowerSGD/onebit cannot reach its gradients); one that
+    is only a wire dtype also runs where FSDP2 reduces gradients in that dtype."""
     if not compression.declares("needs_comm_hook") or strategy.declares("supports_comm_hook"):
+        return None
+    if compression.declares("wire_dtype") and strategy.declares("sets_reduce_dtype"):
         return None
     why = "one process has nothing to communicate" if one_process(strategy) else (
         "it takes no DDP comm hook")
     plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook"))
+    if strategy.declares("sets_reduce_dtype"):
+        why = "FSDP2 has no comm hook for its reduce-scatter, only a dtype to reduce in"
+        plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook")
+                             or bool(c.declares("wire_dtype")))
     return (f"{compression} cannot run with {strategy} ({why}); use "
             f"{alternatives('strategy', lambda s: s.declares('supports_comm_hook'))}, or {plain}")
 

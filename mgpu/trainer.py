@@ -103,7 +103,8 @@ class Trainer:
         plan = strategy.plan(runtime.world_size)
         mesh = plan.device_mesh(runtime.device)  # the one mesh: every step below slices it
         # Pipeline split, then on each stage TP → activation checkpointing → FSDP2 or DDP.
-        layout = parallelize(model, plan, mesh, runtime.device, precision, options.network)
+        layout = parallelize(model, plan, mesh, runtime.device, precision, options.network,
+                             options.compression.wire_dtype)
         strategy.use(layout)  # the step, evaluation and export run on this layout
         model = layout.model
         precision.attach(model, runtime.device)

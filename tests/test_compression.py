@@ -188,6 +188,23 @@ def test_onebit_server_residuals_reset_at_another_world_size_and_say_so(tmp_path
     assert "compression=onebit at world size 2: all_gather" in log
 
 
+@pytest.mark.dist
+def test_a_wire_dtype_reaches_fsdp_reduce_scatter(tmp_path):
+    """compression=bf16 under strategy=fsdp has no hook to run: FSDP2 reduce-scatters in bf16.
+    The update then differs from fp32's by bf16 rounding: not bitwise the same (the dtype was
+    applied), and within a few bf16 roundings of it (nothing else changed)."""
+    run = [*QUICK, "train.steps=10", "strategy=fsdp", "optim=sgd", "checkpoint.every_steps=0"]
+    _, fp32 = launch_job(run, tmp_path / "fp32")
+    _, bf16 = launch_job([*run, "compression=bf16"], tmp_path / "bf16")
+    torch.manual_seed(0)
+    initial = build(make_job(run, tmp_path / "init").model, input_shape=(64,), num_classes=10)
+    start = dict(initial.named_parameters())
+    update = sum(float((fp32[k] - start[k]).pow(2).sum()) for k in start) ** 0.5
+    off = sum(float((bf16[k] - fp32[k]).pow(2).sum()) for k in start) ** 0.5
+    # Each rank's gradient, their sum and its division each rounded to bf16: 3 u relative.
+    assert 0 < off <= 3 * 2.0**-8 * update, (off, update)
+
+
 def saved_rank_state(path: Path, rank: int) -> dict:
     """What rank `rank` saved of its own (RNG, compression) in the checkpoint at `path`."""
     state = {f"rank{rank}": b""}

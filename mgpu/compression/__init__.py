@@ -24,6 +24,9 @@ class Compression(Protocol):
     stateful: bool
     #: Ranks apply exactly the averaged gradients (no rounding or approximation on the wire).
     exact: bool
+    #: Where the compression is only a dtype on the wire: that dtype (a sharded layout reduces
+    #: gradients in it itself, without a comm hook); None otherwise.
+    wire_dtype: torch.dtype | None
 
     def comm_hook(self, model: nn.Module) -> CommHook | None:
         """Set up for the wrapped model; return the DDP comm hook that sends its gradients,

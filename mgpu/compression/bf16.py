@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper
 
 from mgpu.compression.commhook import CommHookCompression
@@ -14,6 +15,8 @@ class Bf16(CommHookCompression):
     all-reduces bfloat16 fine. Here DDP is handed this object's measuring hook, whose name it
     does not refuse, so the same code runs on gloo (CPU) and nccl (GPU).
     """
+
+    wire_dtype = torch.bfloat16  # under FSDP: its reduce-scatter's dtype, no hook
 
     def __init__(self) -> None:
         super().__init__()

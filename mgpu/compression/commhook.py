@@ -67,6 +67,7 @@ class CommHookCompression:
     needs_comm_hook = True
     stateful = False
     exact = False  # what arrives is a rounded or compressed copy of the averaged gradients
+    wire_dtype: torch.dtype | None = None  # more than a dtype: only a comm hook can do it
 
     def __init__(self) -> None:
         self.world_size = 1  # of the model's process group, once registered
@@ -78,7 +79,10 @@ class CommHookCompression:
         self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
 
     def comm_hook(self, model: nn.Module) -> CommHook:
-        """(state, hook) for `model`'s DDP: the subclass's hook, counting the plain bytes."""
+        """(state, hook) for `model`'s DDP: the subclass's hook, counting the plain bytes.
+        None for a sharded model, where the compression is a wire dtype its layout applies."""
+        if not hasattr(model, "register_comm_hook") and self.wire_dtype is not None:
+            return None
         if not hasattr(model, "register_comm_hook"):
             raise TypeError(f"{type(self).__name__} needs a DDP model, got {type(model).__name__}")
         self.world_size = dist.get_world_size(model.process_group)

@@ -17,6 +17,7 @@ class NoCompression:
     needs_comm_hook = False
     stateful = False
     exact = True
+    wire_dtype = None  # the gradients' own
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None

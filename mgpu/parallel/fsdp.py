@@ -18,9 +18,10 @@ from mgpu.parallel.plan import FSDPOptions
 
 def shard_model(
     model: nn.Module, mesh: DeviceMesh, fsdp: FSDPOptions, precision: object,
-    device: torch.device,
+    device: torch.device, reduce_dtype: torch.dtype,
 ) -> nn.Module:
-    """fully_shard each block, then the root (embedding, head and the rest) over `mesh`.
+    """fully_shard each block, then the root (embedding, head and the rest) over `mesh`,
+    gradients reduce-scattered in `reduce_dtype` (the precision's, or a compression's).
 
     Batch norms are sharded first, as units of their own that keep fp32 parameters: their
     running statistics are fp32 buffers, which a bf16/fp16 `param_dtype` would leave beside
@@ -30,13 +31,13 @@ def shard_model(
         "mesh": mesh,
         "reshard_after_forward": fsdp.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype
+            param_dtype=precision.param_dtype, reduce_dtype=reduce_dtype
         ),
     }
     if fsdp.cpu_offload:
         # Pinned host memory needs CUDA; without it the default pin_memory=True fails.
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=precision.reduce_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
     for norm in (m for m in model.modules() if isinstance(m, _BatchNorm)):
         fully_shard(norm, **{**options, "mp_policy": fp32})
     for block in model.blocks():

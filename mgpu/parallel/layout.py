@@ -51,14 +51,15 @@ class Layout:
 
 def parallelize(
     model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh | None, device: torch.device,
-    precision: object, network: object,
+    precision: object, network: object, wire_dtype: torch.dtype | None = None,
 ) -> Layout:
     """`model` laid out by `plan` over `mesh` on `device`: the pipeline split first, where the
     plan has one, then `parallelize_stage` on the model or on each of this rank's stages.
-    `precision` gives FSDP its dtypes, `network` DDP its buckets."""
+    `precision` gives FSDP its dtypes (`wire_dtype`, where a compression sets one, the dtype
+    it reduce-scatters gradients in), `network` DDP its buckets."""
     prepare = partial(
         parallelize_stage, plan=plan, mesh=mesh, device=device, precision=precision,
-        network=network,
+        network=network, wire_dtype=wire_dtype,
     )
     if plan.pipeline is None:
         return Layout(plan, mesh, prepare(model.to(device)))
@@ -71,7 +72,7 @@ def parallelize(
 
 def parallelize_stage(
     part: nn.Module, plan: ParallelPlan, mesh: DeviceMesh | None, device: torch.device,
-    precision: object, network: object,
+    precision: object, network: object, wire_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """TP → activation checkpointing → FSDP2 or DDP, each where the plan asks for it, on a
     model already on `device` (the whole model, or one pipeline stage of it)."""
@@ -79,7 +80,8 @@ def parallelize_stage(
         split_blocks(part, mesh["tp"], plan.sequence_parallel)
     recompute_activations(part, plan.activation_checkpointing)
     if isinstance(plan.data_parallel, FSDPOptions):
-        return shard_model(part, data_parallel_mesh(mesh), plan.data_parallel, precision, device)
+        return shard_model(part, data_parallel_mesh(mesh), plan.data_parallel, precision, device,
+                           wire_dtype or precision.reduce_dtype)
     if isinstance(plan.data_parallel, DDPOptions):
         return replicate(part, plan.data_parallel, device, network)
     return part

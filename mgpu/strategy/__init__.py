@@ -79,6 +79,9 @@ class Strategy(ABC):
     uneven_batches: bool
     #: Model methods the strategy splits the model with (`mgpu.support.MODEL_PLANS`).
     model_plans: tuple[str, ...]
+    #: Gradients are reduce-scattered by FSDP2 in a dtype it is given (its reduce_dtype), so a
+    #: compression that is only a wire dtype runs without a comm hook.
+    sets_reduce_dtype: bool = False
 
     #: The layout the run trains, once `use` is given it (in each worker).
     layout: Layout | None = None

@@ -16,6 +16,7 @@ class FSDP(Strategy):
     replicates_params = False
     supports_comm_hook = False
     shards_optimizer = True
+    sets_reduce_dtype = True  # FSDP2's reduce_dtype: fp16/bf16 on the wire
     pipelined = False
     uneven_batches = False  # every block's forward and backward gathers from all ranks
     model_plans = ()

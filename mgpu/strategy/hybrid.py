@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class Hybrid(Strategy):
     supports_comm_hook = False
     shards_optimizer = True
+    sets_reduce_dtype = True  # FSDP2's reduce_dtype: fp16/bf16 on the wire
     uneven_batches = False  # FSDP gathers inside forward and backward
 
     def __init__(
