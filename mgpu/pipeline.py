@@ -45,7 +45,7 @@ def check_pipeline(
     global_batch: int, schedule: str, microbatches: int, pp: int, dp: int
 ) -> None:
     """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch);
-    those it puts on other groups (no loss scaling, no grad_accum) are in `mgpu.support`."""
+    those it puts on other groups (no grad_accum) are in `mgpu.support`."""
     local_batch = global_batch // dp
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
@@ -95,9 +95,12 @@ class Pipeline:
             stage.forward_one_chunk = self.timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self.timed(stage.backward_one_chunk)
         cls = SCHEDULES[schedule]
+        # The factor the loss is multiplied by before the schedule's backward (amp's loss
+        # scale), set for each step; None: not scaled.
+        self.loss_scale: torch.Tensor | None = None
         self.schedule = cls(
             stages if per_rank > 1 else stages[0], n_microbatches=microbatches,
-            loss_fn=cross_entropy,
+            loss_fn=self.scaled_loss,
         )
         self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
         # Marks (perf_counter on CPU, CUDA events on the current stream on GPU), read at log
@@ -122,9 +125,18 @@ class Pipeline:
     def last_rank(self) -> int:
         return dist.get_global_rank(self.group, self.size - 1)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One schedule step over all micro-batches; the mean loss, sent from the last stage."""
+    def scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: the schedule runs backward from it itself,
+        so a loss scale goes in here (in fp32, as amp scales a loss)."""
+        loss = cross_entropy(logits, labels)
+        return loss if self.loss_scale is None else loss.float() * self.loss_scale
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                         loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """One schedule step over all micro-batches, the loss multiplied by `loss_scale` before
+        backward (amp); the mean loss, unscaled, sent from the last stage."""
         start = self.clock.mark()
+        self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
         self.schedule.step(*args, target=labels, losses=losses)
@@ -132,6 +144,8 @@ class Pipeline:
         self.steps.append((start, self.clock.mark()))
         last = self.rank == self.size - 1
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        if loss_scale is not None:
+            loss = loss / loss_scale
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 

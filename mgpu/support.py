@@ -155,15 +155,6 @@ def uneven_batches_change_batch_statistics(balance: Option, model: Option) -> st
             f"{alternatives('model', lambda m: not m.declares('batch_statistics'))}")
 
 
-def pipelines_run_their_own_backward(precision: Option, strategy: Option) -> str | None:
-    """A pipeline schedule calls backward itself, so a loss scale cannot be put in front."""
-    if not (precision.declares("loss_scaling") and strategy.declares("pipelined")):
-        return None
-    return (f"{precision} cannot run with {strategy} (it scales the loss before backward, but "
-            f"pipeline schedules run the backward themselves); use "
-            f"{alternatives('precision', lambda p: not p.declares('loss_scaling'))}")
-
-
 def pipelines_accumulate_already(grad_accum: Option, strategy: Option) -> str | None:
     """A pipeline step already accumulates gradients over its micro-batches."""
     if grad_accum.obj == 1 or not strategy.declares("pipelined"):
@@ -209,7 +200,6 @@ RULES = (
     Rule(("balance", "compression"), one_comm_hook),
     Rule(("balance", "strategy"), uneven_batches_need_local_steps),
     Rule(("balance", "model"), uneven_batches_change_batch_statistics),
-    Rule(("precision", "strategy"), pipelines_run_their_own_backward),
     Rule(("grad_accum", "strategy"), pipelines_accumulate_already),
     Rule(("strategy", "model"), strategy_needs_a_model_plan),
     Rule(("data", "model"), token_data_needs_a_language_model),

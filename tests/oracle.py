@@ -127,14 +127,16 @@ def reference(job: Job, batches: list[list[list[Batch]]],
     params = [p for p in model.parameters()]
     initial = {n: p.detach().clone() for n, p in zip(names, params, strict=True)}
     optimizer, scheduler = options.optim.build(params, job.train.steps)
+    plan = options.strategy.plan(job.launch.world_size)
     compute_dtype = None
-    if isinstance(options.strategy.plan(job.launch.world_size).data_parallel, FSDPOptions):
+    if isinstance(plan.data_parallel, FSDPOptions):
         compute_dtype = options.precision.param_dtype
+    pieces = plan.pipeline.microbatches if plan.pipeline else 1
     rule = Rule(options, len(batches), dict(zip(names, params, strict=True)), buckets)
     for step in range(len(batches[0])):
         positions = step_positions(batches, step)
         grads = [rank_gradient(model, rank[step], positions, len(batches), options.precision,
-                               rule.scale, compute_dtype) for rank in batches]
+                               rule.scale, compute_dtype, pieces) for rank in batches]
         averaged = rule.combine(grads)
         applied = False
         if averaged is not None:
@@ -162,24 +164,34 @@ def autocast(precision: object) -> object:
 
 def rank_gradient(model: torch.nn.Module, micro_batches: list[Batch], positions: int,
                   world_size: int, precision: object, scale: float,
-                  compute_dtype: torch.dtype | None) -> Grads:
+                  compute_dtype: torch.dtype | None, pieces: int = 1) -> Grads:
     """One data-parallel rank's gradient of (world size x its summed loss / positions), times
     the loss scale, accumulated over its micro-batches in fp32. With `compute_dtype`, each
-    micro-batch runs on a copy of the weights in that dtype."""
+    micro-batch runs on a copy of the weights in that dtype.
+
+    A pipeline (`pieces` micro-batches per step) takes the mean loss of each piece, scaled,
+    backward from each, and divides the sum of their gradients by `pieces`: on equal pieces
+    the same gradient, with the activations' gradients `pieces` times as large (where fp16
+    overflows first)."""
     total = [torch.zeros_like(p) for p in model.parameters()]
     work = model
     if compute_dtype not in (None, torch.float32):
         work = copy.deepcopy(model).to(compute_dtype)
     for inputs, labels in micro_batches:
-        work.zero_grad(set_to_none=True)
-        with autocast(precision):
-            logits = work(inputs)
-            summed = F.cross_entropy(logits.flatten(0, -2), labels.flatten(),
-                                     ignore_index=IGNORED_LABEL, reduction="sum")
-        (summed.float() * (world_size / positions) * scale).backward()
-        for acc, param in zip(total, work.parameters(), strict=True):
-            if param.grad is not None:
-                acc += param.grad.float()
+        for x, y in zip(inputs.tensor_split(pieces), labels.tensor_split(pieces), strict=True):
+            work.zero_grad(set_to_none=True)
+            with autocast(precision):
+                logits = work(x)
+                summed = F.cross_entropy(logits.flatten(0, -2), y.flatten(),
+                                         ignore_index=IGNORED_LABEL, reduction="sum")
+            if pieces == 1:
+                weight = world_size / positions
+            else:
+                weight = world_size / (len(micro_batches) * int((y != IGNORED_LABEL).sum()))
+            (summed.float() * weight * scale).backward()
+            for acc, param in zip(total, work.parameters(), strict=True):
+                if param.grad is not None:
+                    acc += param.grad.float() / pieces
     return total
 
 

@@ -168,7 +168,7 @@ class Strategy(ABC):
         if self.pipe is not None:
             # The schedule interleaves forward and backward passes: timed as one phase.
             with timer.phase("backward"), precision.autocast(inputs.device):
-                return self.pipe.forward_backward(inputs, labels)
+                return self.pipe.forward_backward(inputs, labels, precision.grad_scale())
         with timer.phase("forward"), precision.autocast(inputs.device):
             loss = cross_entropy(model(inputs), labels)
         with timer.phase("backward"):
