@@ -361,11 +361,12 @@ def test_ssp_ahead_steps_is_how_far_the_fast_rank_ran_ahead(tmp_path):
     t - 2's all-reduce, which needs rank 1 to have started it. At the end of its backward of
     step t, rank 0 then finds step t - 1 unfinished: one step ahead beyond the one in progress
     (its own step t, just launched, is in flight even where ranks keep in step, and does not
-    count). The age of the applied gradients is no figure: it is the staleness by
-    construction."""
+    count): never more than 1, by construction. How often it gets there depends on the
+    machine's load, so the test asks only that it does. The age of the applied gradients is no
+    figure: it is the staleness by construction."""
     run = [*QUICK, "train.steps=30", "balance.staleness=2", "straggler.slowdown=[1.0,5.0]"]
     summary, _ = launch_job([*run, "balance=ssp"], tmp_path / "ssp")
-    assert 0.5 <= summary["balance/ahead_steps"] <= 1
+    assert 0 < summary["balance/ahead_steps"] <= 1
     assert "balance/staleness_steps" not in summary
 
 
