@@ -460,10 +460,12 @@ STRATEGIES = {
     "ddp": ["strategy=ddp"],
     "zero1": ["strategy=zero1"],
     "fsdp": ["strategy=fsdp"],
+    "fsdp_bf16_reduce": ["strategy=fsdp", "compression=bf16"],
     "tp": ["strategy=tp"],
     "tp_sequence_parallel": ["strategy=tp", "strategy.sequence_parallel=true"],
     "pp_gpipe": ["strategy=pp", "strategy.schedule=gpipe"],
     "pp_1f1b": ["strategy=pp", "strategy.schedule=1f1b"],
+    "pp_1f1b_amp": ["strategy=pp", "strategy.schedule=1f1b", "precision=amp"],
     "pp_interleaved_1f1b": ["strategy=pp", "strategy.schedule=interleaved_1f1b"],
     "hybrid_dp2_tp2": ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2"],
     "hybrid_dp2_pp2": ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"],
@@ -478,7 +480,7 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
     common = ["model=gpt", "data=text", "optim=sgd", f"train.steps={steps}",
               f"train.warmup_steps={warmup}", "train.log_every=10", "eval.every_steps=0",
               "optim.schedule=constant"]
-    keep = ("train/samples_per_s", "memory/param_bytes_per_rank",
+    keep = ("train/samples_per_s", "comm/bytes_per_step", "memory/param_bytes_per_rank",
             "memory/optimizer_bytes_per_rank", "memory/peak_bytes", "pp/bubble_fraction",
             "pp/bubble_fraction_theory", "eval/loss", "eval/accuracy")
     samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
