@@ -104,12 +104,14 @@ class StaleGradients:
         return collect_all(futures).then(lambda _: torch.cat(views))
 
     def earlier_in_flight(self) -> int:
-        """This rank's steps before the one just synchronised whose all-reduce has not
-        completed: every rank has started a completed one, so these are steps some peer has
-        not reached yet. Forgets the works of completed steps."""
+        """This rank's steps between the one whose gradients it just applied and the one just
+        synchronised whose all-reduce has not completed: every rank has started a completed
+        one, so these are steps some peer has not reached yet. The applied step and those
+        before it are done (their results were waited for), even where the work object says
+        so a moment after its future. Forgets the works of those."""
         current = self.step - 1
-        for step in [s for s, works in self.works.items()
-                     if all(work.is_completed() for work in works)]:
+        for step in [s for s, works in self.works.items() if s <= current - self.staleness
+                     or all(work.is_completed() for work in works)]:
             del self.works[step]
         return sum(step < current for step in self.works)
 
