@@ -262,12 +262,9 @@ def train_checking_replicas(job: Job, runtime, check_from: int) -> dict:
         trainer.train_step()
         if step == check_from:
             restores = replays_after_restore(trainer)
-            trainer.compression.metrics()  # measure bytes from here on (after warm-ups)
         if not identical_on_all_ranks(trainer.model):
             mismatched_steps.append(step)
-    comm = trainer.compression.metrics()
-    return {**comm, **trainer.evaluate(), "mismatched_steps": mismatched_steps,
-            "restores": restores}
+    return {**trainer.evaluate(), "mismatched_steps": mismatched_steps, "restores": restores}
 
 
 def identical_on_all_ranks(model: nn.Module) -> bool:
@@ -323,8 +320,9 @@ def fp32_gradient_bytes(job: Job) -> int:
 
 
 @pytest.mark.dist
-def test_every_option_trains_in_step_with_measured_bytes(tmp_path, monkeypatch):
-    """strategy=ddp, 2 gloo workers, the default step budget, one launch for all options."""
+def test_every_option_trains_in_step(tmp_path, monkeypatch):
+    """strategy=ddp, 2 gloo workers, the default step budget, one launch for all options.
+    (Their bytes on the wire are checked against what gloo is handed in tests/test_figures.py.)"""
     check_from = 100  # after powersgd's start_powerSGD_iter and onebit's warmup_steps (50)
     jobs = {name: make_job([f"compression={name}", "strategy=ddp", "launch.nproc_per_node=2"],
                            tmp_path / name) for name in OPTIONS}
@@ -338,15 +336,6 @@ def test_every_option_trains_in_step_with_measured_bytes(tmp_path, monkeypatch):
         assert result["mismatched_steps"] == [], name
         assert result["eval/accuracy"] >= 0.85, (name, result["eval/accuracy"])
         assert result["restores"], name
-    fp32 = fp32_gradient_bytes(jobs["none"])
-    comm = {name: (r["comm/bytes_per_step"], r["comm/compression_ratio"])
-            for name, r in results.items()}
-    assert comm["none"] == (fp32, 1.0)
-    assert comm["fp16"] == comm["bf16"] == (fp32 / 2, 2.0)
-    onebit_bytes, onebit_ratio = comm["onebit"]
-    assert onebit_bytes <= fp32 / 30 and onebit_ratio == fp32 / onebit_bytes
-    powersgd_bytes, powersgd_ratio = comm["powersgd"]
-    assert powersgd_bytes < fp32 / 2 and powersgd_ratio == fp32 / powersgd_bytes
 
 
 @pytest.mark.e2e
