@@ -110,19 +110,25 @@ def test_gpt_reads_bytes_causally_and_ties_its_output_to_the_embedding():
     assert "head.weight" not in model.state_dict()
 
 
-def test_gpt_states_the_flops_torch_counts():
+@pytest.mark.parametrize(("input_shape", "classes"), [((SEQ_LEN,), 256), ((1, 8, 8), 10)],
+                         ids=["text", "image"])
+def test_gpt_states_the_flops_torch_counts(input_shape, classes):
     """The model's training FLOPs per sample against torch's `FlopCounterMode` over a real
     forward and backward (2 FLOPs per multiply-add). Attention runs on the math kernel, whose
     matmuls torch counts (the fused CPU kernel it does not), so the count covers the scores
-    and the weighted sum too, the causal mask's skipped half included."""
+    and the weighted sum too, the causal mask's skipped half included. An image's pixels need
+    no gradient: its patch embedding has none to pass back."""
     torch.manual_seed(0)
-    model = GPT((SEQ_LEN,), 256, dim=32, heads=4, layers=2)
-    tokens = torch.randint(0, 256, (2, SEQ_LEN + 1))
+    model = GPT(input_shape, classes, dim=32, heads=4, layers=2)
+    if model.next_token:
+        tokens = torch.randint(0, classes, (2, SEQ_LEN + 1))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    else:
+        inputs, targets = torch.rand(2, *input_shape), torch.randint(0, classes, (2,))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        cross_entropy(model(inputs), targets).backward()
     assert counter.get_flop_counts()["Global"][torch.ops.aten.bmm] > 0  # attention counted
     assert model.flops_per_sample() == counter.get_total_flops() / 2
-    assert model.flops_per_sample() == model.flops_per_token() * SEQ_LEN
 
 
 # ---- training: every parallel layout against one process ------------------------------------

@@ -272,15 +272,16 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> float:
         """Training FLOPs (forward and backward: 3 x forward, 2 per multiply-add) per token:
-        6 x the weights each token is multiplied by (blocks, patch embedding or output layer)
-        plus attention's scores and weighted sum, 12 x layers x dim x T (nanoGPT's and PaLM's
-        count, the causal mask's skipped half included)."""
+        6 x the weights each token is multiplied by (blocks, output layer) plus attention's
+        scores and weighted sum, 12 x layers x dim x T (nanoGPT's and PaLM's count, the causal
+        mask's skipped half included). An image's patch embedding counts 4 x its weights:
+        forward and weight gradient only, as the pixels it reads need no gradient."""
         blocks = [m for block in self.blocks() for m in block.modules()
                   if isinstance(m, nn.Linear)]
-        per_token = sum(m.weight.numel() for m in blocks)
-        per_token += self.tok_emb.weight.numel() if self.next_token else (
-            self.patch_emb.weight.numel())
-        return 6 * per_token + 12 * len(self.layers) * self.dim * self.seq_len
+        per_token = 6 * sum(m.weight.numel() for m in blocks)
+        per_token += 6 * self.tok_emb.weight.numel() if self.next_token else (
+            4 * self.patch_emb.weight.numel())
+        return per_token + 12 * len(self.layers) * self.dim * self.seq_len
 
     def flops_per_sample(self) -> float:
         """`flops_per_token` over the sample's tokens, and for an image its class head."""
