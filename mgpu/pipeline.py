@@ -4,7 +4,7 @@ schedule: the machinery shared by strategy=pp and the pp dimension of strategy=h
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,6 +61,18 @@ def check_pipeline(
         )
 
 
+class Stages(nn.ModuleList):
+    """This rank's pipeline stages: what the run trains and checkpoints. The list itself is
+    never called (the schedule calls each stage), so what must act on a stage's compute hooks
+    in here: each of `after_compute` is called after every forward or backward of one
+    micro-batch on a stage, with "forward" or "backward" and the compute's start and end marks
+    (`clock_for`), e.g. a simulated straggler's delay."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        super().__init__(modules)
+        self.after_compute: list[Callable[[str, Any, Any], None]] = []
+
+
 class Pipeline:
     """This rank's stages of `model`, their schedule, and the figures of its bubble."""
 
@@ -83,7 +95,7 @@ class Pipeline:
         self.tied = model.tied_parameters() if self.num_stages > 1 else ()
         # Looped placement: stage s lives on pipeline rank s % size.
         self.stage_ids = [self.rank + k * self.size for k in range(per_rank)]
-        self.modules = nn.ModuleList(
+        self.modules = Stages(
             prepare_stage(copy.deepcopy(model).pipeline_stage(s, self.num_stages).to(device))
             for s in self.stage_ids
         )
@@ -92,8 +104,8 @@ class Pipeline:
             for module, s in zip(self.modules, self.stage_ids, strict=True)
         ]
         for stage in stages:
-            stage.forward_one_chunk = self.timed(stage.forward_one_chunk)
-            stage.backward_one_chunk = self.timed(stage.backward_one_chunk)
+            stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "forward")
+            stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "backward")
         cls = SCHEDULES[schedule]
         # The factor the loss is multiplied by before the schedule's backward (amp's loss
         # scale), set for each step; None: not scaled.
@@ -109,13 +121,19 @@ class Pipeline:
         self.busy: list[tuple] = []
         self.steps: list[tuple] = []
 
-    def timed(self, compute: Callable) -> Callable:
-        """`compute` (a stage's forward or backward of one micro-batch), marked as busy time."""
+    def timed(self, compute: Callable, kind: str) -> Callable:
+        """`compute` (a stage's `kind`, forward or backward, of one micro-batch), marked as busy
+        time; then the stages' `after_compute` hooks, whose time (a simulated straggler's
+        delay, standing for slower compute) is busy time too."""
 
         def run(*args, **kwargs):
             start = self.clock.mark()
             try:
-                return compute(*args, **kwargs)
+                result = compute(*args, **kwargs)
+                end = self.clock.mark()
+                for hook in self.modules.after_compute:
+                    hook(kind, start, end)
+                return result
             finally:
                 self.busy.append((start, self.clock.mark()))
 

@@ -445,3 +445,35 @@ def test_bad_balance_input_is_one_config_error(overrides, message, tmp_path):
 def test_throughput_takes_a_batch_that_does_not_divide(tmp_path):
     job = make_job(["balance=throughput", "data.batch_size=63"], tmp_path)
     assert job.data["batch_size"] == 63
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_pipeline_straggler_delays_every_stage_forward_and_backward(
+        schedule, one_rank_group, tmp_path):
+    """Under a pipeline the model the clock gets is the list of this rank's stages, which is
+    never called itself: the straggler must act on each stage's own compute. Counted by the
+    test's own hooks on the stage modules, from step 2 on (step 1 also runs a stage's forward
+    and backward to infer shapes): every forward of a micro-batch, and every backward, was
+    followed by the straggler's delay (interleaved: two stages on the one rank)."""
+    job = make_job([*QUICK, "strategy=pp", f"strategy.schedule={schedule}",
+                    "strategy.microbatches=4", "model=gpt", "model.dim=32", "model.mlp_ratio=2",
+                    "launch.nproc_per_node=1", "straggler.slowdown=[3.0]"], tmp_path)
+    trainer = Trainer.build(job, cpu_runtime(0, 1, tmp_path), None)
+    ran = {"forward": 0, "backward": 0}
+
+    def count(kind: str):
+        return lambda *_: ran.__setitem__(kind, ran[kind] + 1)
+
+    for stage in trainer.model:
+        stage.register_forward_hook(count("forward"))
+        stage.register_full_backward_pre_hook(count("backward"))
+    trainer.train_step()
+    clock = trainer.balance.clock
+    ran, before = {"forward": 0, "backward": 0}, dict(clock.stage_delays)
+    for _ in range(2):
+        trainer.train_step()
+    stages = 2 if schedule == "interleaved_1f1b" else 1
+    assert ran == {"forward": 2 * 4 * stages, "backward": 2 * 4 * stages}
+    assert {kind: n - before[kind] for kind, n in clock.stage_delays.items()} == ran
+    trainer.close()

@@ -13,13 +13,18 @@ busy = ready - start is what the rank would take alone; wait = end - ready is ti
 slower peers (`time/sync_wait_s`). A simulated straggler sleeps at the start of the backward
 pass (a hook on the model's output), before any gradient is sent, so its delay is part of its
 own busy time and not of its peers' (a sleep before the forward would be, where the forward
-synchronises buffers). The delay is waited out to the microsecond (`wait`): `time.sleep`
-oversleeps by ~80 us on the 2-core CPU machine whatever the delay (measured from 10 us to
-3 ms), a cost that does not scale with the batch added to every straggler step: at the
-default job's ~0.5 ms of compute, 16 % more than the slowdown asks for. The stamps are those
-of the monitor's phase timer (`mgpu.monitor.timing.clock_for`): perf_counter on CPU, CUDA
-events on GPU, resolved here at the start of the next step, which lets the host run ahead of
-the device by at most one step.
+synchronises buffers). Under a pipeline (strategy=pp, hybrid pp > 1) the model is the list of
+this rank's stages, which the schedule never calls as a whole: there the straggler waits (f - 1)
+times each stage's forward or backward of a micro-batch right after it (`Stages.after_compute`),
+so a slow stage holds up every micro-batch as a slow device would (on CUDA each such delay
+first waits for the stage's kernels: a simulation's cost, on the straggler's rank only).
+
+The delay is waited out to the microsecond (`wait`): `time.sleep` oversleeps by ~80 us on the
+2-core CPU machine whatever the delay (measured from 10 us to 3 ms), a cost that does not scale
+with the batch added to every straggler step: at the default job's ~0.5 ms of compute, 16 %
+more than the slowdown asks for. The stamps are those of the monitor's phase timer
+(`mgpu.monitor.timing.clock_for`): perf_counter on CPU, CUDA events on GPU, resolved here at
+the start of the next step, which lets the host run ahead of the device by at most one step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 
 from mgpu.monitor.timing import clock_for
+from mgpu.pipeline import Stages
 from mgpu.straggler import Straggler
 
 #: `wait` sleeps until this long before its deadline and spins the rest: more than time.sleep's
@@ -64,11 +70,18 @@ class StepClock:
         # Running sums since the start; readers keep their own last copy and take differences.
         self.sums = {"steps": 0, "samples": 0, "busy_s": 0.0, "wait_s": 0.0}
         self.busy_s: list[float] = []  # every resolved step's busy seconds
+        # A pipeline's stage computes (micro-batch forwards, backwards) followed by a delay.
+        self.stage_delays = {"forward": 0, "backward": 0}
 
     def attach(self, model: nn.Module) -> None:
-        """Install the hooks: output → straggler delay; every parameter → gradient-ready stamp."""
-        inner = getattr(model, "module", model)  # DDP's forward hooks belong on the inner module
-        inner.register_forward_hook(self._on_forward)
+        """Install the hooks: output → straggler delay (a pipeline's stages: each stage's
+        compute → its delay); every parameter → gradient-ready stamp."""
+        if isinstance(model, Stages):
+            if self.straggler.active:
+                model.after_compute.append(self._on_stage_compute)
+        else:
+            inner = getattr(model, "module", model)  # DDP's forward hooks: on the inner module
+            inner.register_forward_hook(self._on_forward)
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -98,6 +111,19 @@ class StepClock:
             delay = self.straggler.delay_s(self.compute_s)
             if delay > 0:
                 self.slept += wait(delay)  # what it took, to the last microsecond: no compute
+
+    def _on_stage_compute(self, kind: str, start: object, end: object) -> None:
+        """A pipeline stage's forward or backward of one micro-batch took start → end: wait
+        (f - 1) times as long, the step's jitter with the first of them."""
+        seconds = self.clock.seconds(start, end)  # on CUDA: waits for the stage's kernels
+        if self.delayed:
+            delay = (self.straggler.factor - 1.0) * seconds
+        else:
+            self.delayed = True
+            delay = self.straggler.delay_s(seconds)
+        if delay > 0:
+            self.slept += wait(delay)
+            self.stage_delays[kind] += 1
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self.ready = self.clock.mark()
