@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -187,6 +188,26 @@ def launch_tracked(overrides: list[str], out, uri: str, monkeypatch) -> tuple[di
     return results, history
 
 
+class ScaledFP32(AMP):
+    """amp's loss scaling on fp32 compute (no autocast): with the scale a power of two, scaling
+    the loss and unscaling the gradients are exact, so training must be fp32's to the bit."""
+
+    param_dtype = torch.float32
+
+    def autocast(self, device: torch.device) -> AbstractContextManager:
+        return nullcontext()
+
+
+# Each launched precision's overrides.
+PRECISIONS = {
+    "fp32": ["precision=fp32"],
+    "bf16": ["precision=bf16"],
+    "amp": ["precision=amp", *SCALER],
+    "scaled_fp32": ["precision=amp", "precision._target_=tests.test_precision.ScaledFP32",
+                    *SCALER],
+}
+
+
 @pytest.fixture(scope="module")
 def launched(store, tmp_path_factory):
     """precision → (results, history, output dir) of its DDP run, launched once per module."""
@@ -195,10 +216,9 @@ def launched(store, tmp_path_factory):
     def get(precision: str) -> tuple[dict, dict, object]:
         if precision not in cache:
             out = tmp_path_factory.mktemp(precision)
-            extra = SCALER if precision == "amp" else []
             with pytest.MonkeyPatch.context() as monkeypatch:
                 results, history = launch_tracked(
-                    [*TRAIN, *FAULT, f"precision={precision}", *extra], out, store, monkeypatch
+                    [*TRAIN, *FAULT, *PRECISIONS[precision]], out, store, monkeypatch
                 )
             cache[precision] = (results, history, out)
         return cache[precision]
@@ -206,26 +226,23 @@ def launched(store, tmp_path_factory):
     return get
 
 
+def rank_weights(out) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp"])
-def test_ddp_trains_skips_the_inf_step_on_every_rank_and_tracks_fp32(precision, launched):
+def test_ddp_trains_and_skips_the_inf_step_on_every_rank(precision, launched):
     results, history, out = launched(precision)
-    fp32_losses = launched("fp32")[1]["train/loss"]
     assert results[0]["eval/accuracy"] >= 0.88
     # The step with the inf gradient was skipped, once, on both ranks alike.
     skipped = history["train/skipped_steps"]
     assert skipped[INF_AT - 2] == 0 and skipped[INF_AT - 1] == 1 and skipped[-1] == 1
     assert results[0]["train/skipped_steps"] == results[1]["train/skipped_steps"] == 1
-    rank0 = torch.load(out / "rank0.pt", weights_only=True)
-    rank1 = torch.load(out / "rank1.pt", weights_only=True)
+    rank0, rank1 = rank_weights(out)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
-    # Loss per step tracks fp32 (all three skipped the same step).
-    losses = history["train/loss"]
-    assert len(losses) == len(fp32_losses) == 40
-    for step, (loss, ref) in enumerate(zip(losses, fp32_losses, strict=True), start=1):
-        assert math.isfinite(loss)
-        assert abs(loss - ref) <= LOSS_ATOL + LOSS_RTOL * ref, (step, loss, ref)
+    assert all(math.isfinite(loss) for loss in history["train/loss"])
     scales = history["amp/loss_scale"]
     if precision != "amp":
         assert scales == [] and "amp/loss_scale" not in results[0]  # only amp scales the loss
@@ -233,6 +250,34 @@ def test_ddp_trains_skips_the_inf_step_on_every_rank_and_tracks_fp32(precision, 
     # Scale after each step: x2 after 4 clean steps (step 4), x0.5 at the inf (step 6), then
     # x2 again only after 4 more clean steps (step 10).
     assert scales[:INF_AT + 4] == [1024, 1024, 1024, 2048, 2048, 1024, 1024, 1024, 1024, 2048]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("precision", ["bf16", "amp"])
+def test_low_precision_loss_tracks_fp32(precision, launched):
+    """Loss per step within the tolerance of fp32's (all of them skipped the same step)."""
+    losses, fp32_losses = (launched(p)[1]["train/loss"] for p in (precision, "fp32"))
+    assert len(losses) == len(fp32_losses) == 40
+    for step, (loss, ref) in enumerate(zip(losses, fp32_losses, strict=True), start=1):
+        assert abs(loss - ref) <= LOSS_ATOL + LOSS_RTOL * ref, (step, loss, ref)
+
+
+@pytest.mark.dist
+def test_a_loss_scale_that_grows_and_backs_off_leaves_fp32_training_unchanged(launched):
+    """A constructed scale change: amp's loss scaling alone, on fp32 compute, its scale
+    doubling every 4 clean steps and halving at the inf step. Powers of two scale and unscale
+    exactly, so each step's loss and the final weights equal fp32's bitwise; unscaling by any
+    scale other than the one the gradients carry would show."""
+    _, history, out = launched("scaled_fp32")
+    _, fp32_history, fp32_out = launched("fp32")
+    scales = history["amp/loss_scale"]
+    assert scales[:INF_AT + 4] == [1024, 1024, 1024, 2048, 2048, 1024, 1024, 1024, 1024, 2048]
+    assert scales[-1] == 1024 * 2 ** ((40 - INF_AT) // 4)  # and kept growing
+    assert history["train/loss"] == fp32_history["train/loss"]
+    assert history["train/skipped_steps"] == fp32_history["train/skipped_steps"]
+    for scaled, plain in zip(rank_weights(out), rank_weights(fp32_out), strict=True):
+        for name in plain:
+            assert torch.equal(scaled[name], plain[name]), name
 
 
 @pytest.mark.dist
