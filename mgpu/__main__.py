@@ -43,8 +43,11 @@ def launch_one_job(cfg: DictConfig) -> float:
     torchrun = launch.torchrun_world()
     job, options = prepare(cfg, torch.cuda.device_count(), torchrun)
     if torchrun:
-        summary = worker.main_under_torchrun(job, options, choices, overrides)
-        return summary[options.task.objective]
+        outcome = worker.main_under_torchrun(job, options, choices, overrides)
+        if outcome.rank == 0:
+            headline = options.task.summary_line(outcome.summary)
+            report(outcome.job, outcome.run_id, outcome.summary, headline)
+        return outcome.summary[options.task.objective]
 
     uri = job.tracking.uri
     env = options.network.prepare_node(Path(job.output_dir))

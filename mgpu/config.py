@@ -31,6 +31,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import mgpu.rundir  # noqa: F401  (registers ${mgpu.now:...} for hydra.run.dir)
 from mgpu import support
 from mgpu.checkpoint import check_checkpoint
 from mgpu.errors import ConfigError

@@ -92,12 +92,19 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def init_runtime(output_dir: str, timeout_s: int) -> Runtime:
-    """Join the process group that the launcher (elastic agent or torchrun) describes in env."""
+    """Join the process group that the launcher (elastic agent or torchrun) describes in env,
+    logging into `output_dir/logs`."""
+    setup_logging(int(os.environ.get("RANK", 0)), Path(output_dir))
+    return join_group(output_dir, timeout_s)
+
+
+def join_group(output_dir: str, timeout_s: int) -> Runtime:
+    """Join the process group that the launcher describes in env; logging is the caller's
+    (`setup_logging`): a job that rank 0 hands to the others logs once it is known."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    setup_logging(rank, Path(output_dir))
     limit_cpu_threads(local_world_size)
     device = pick_device(local_rank)
     if world_size > 1 or "MASTER_ADDR" in os.environ:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -12,7 +16,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from mgpu import checkpoint, tracking
 from mgpu.config import Job, Options
 from mgpu.monitor.system import system_metrics
-from mgpu.runtime import Runtime, init_runtime, shutdown
+from mgpu.network.topology import TOPOLOGY_FILE
+from mgpu.runtime import Runtime, init_runtime, join_group, setup_logging, shutdown
 
 log = logging.getLogger("mgpu.worker")
 
@@ -39,31 +44,57 @@ def start_task(
     return options.task.run(job, options, runtime, run_id)
 
 
+@dataclass(frozen=True)
+class RunRequest:
+    """What global rank 0 needs to open the job's MLflow run where no parent holds it (under
+    torchrun, and in a multi-node job, whose parents cannot know which node holds rank 0)."""
+
+    choices: dict[str, str]
+    overrides: list[str]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A rank's result in a job whose run global rank 0 owns: its task's summary, and rank 0's
+    job (output dir), run id and host, which every rank ran with."""
+
+    rank: int
+    summary: dict[str, float]
+    job: Job
+    run_id: str | None
+    owner: str
+
+
 def main_under_torchrun(
     job: Job, options: Options, choices: dict[str, str], overrides: list[str]
-) -> dict:
+) -> Outcome:
     """torchrun started this process: rank 0 owns the MLflow run, which no parent holds here.
 
     `options` are the ones this process built to check its config: each rank composed the
     same command line, so they are the same on every rank."""
     env = options.network.env()
     os.environ.update(env)  # before the process group reads it
-    runtime = init_runtime(job.output_dir, job.launch.timeout_s)
+    return run_owned_by_rank0(job, options, RunRequest(choices, overrides), env)
+
+
+def run_owned_by_rank0(
+    job: Job, options: Options, request: RunRequest, env: dict[str, str]
+) -> Outcome:
+    """Rank 0 opens (or continues) the run and hands its job, run id and host to every rank,
+    so all write into its output and checkpoint dirs; it closes the run FINISHED or FAILED."""
+    runtime = join_group(job.output_dir, job.launch.timeout_s)
     try:
-        if dist.is_initialized():
-            # Each rank composed its own config; rank 0's (output dir, timestamps) is the run's.
-            shared = [job]
-            dist.broadcast_object_list(shared, src=0)
-            job = shared[0]
-        if not (runtime.is_main and job.tracking.enabled):
-            return start_task(job, options, runtime, None)
+        run_id = None
+        if runtime.is_main and job.tracking.enabled:
+            run_id = open_run(job, options, request, env)
+        job, run_id, owner = rank0s([job, run_id, socket.gethostname()])
+        runtime = dataclasses.replace(runtime, output_dir=Path(job.output_dir))
+        setup_logging(runtime.rank, runtime.output_dir)
+        if not (runtime.is_main and run_id):
+            summary = start_task(job, options, runtime, None)
+            return Outcome(runtime.rank, summary, job, run_id, owner)
         uri = job.tracking.uri
-        resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
-        run_id = resumed or tracking.start_job_run(
-            job, choices, overrides, tracking.data_params(options.data))
-        if not resumed:
-            tracking.log_env(uri, run_id, env)
-        # torchrun ends a failed group with SIGTERM: turn it into an exception so the run closes.
+        # The launcher ends a failed group with SIGTERM: an exception, so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             with system_metrics(job.tracking, job.monitor.interval_s, run_id):
@@ -72,9 +103,28 @@ def main_under_torchrun(
             tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
             raise
         tracking.finish_run(uri, run_id, "FINISHED")
-        return {**summary, "run_id": run_id}
+        return Outcome(runtime.rank, summary, job, run_id, owner)
     finally:
         shutdown()
+
+
+def open_run(job: Job, options: Options, request: RunRequest, env: dict[str, str]) -> str:
+    """Rank 0: the run its checkpoint was saved by, else a new one."""
+    uri = job.tracking.uri
+    resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
+    if resumed:
+        return resumed
+    run_id = tracking.start_job_run(
+        job, request.choices, request.overrides, tracking.data_params(options.data))
+    tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
+    return run_id
+
+
+def rank0s(objects: list) -> list:
+    """Rank 0's `objects` on every rank."""
+    if dist.is_initialized():
+        dist.broadcast_object_list(objects, src=0)
+    return objects
 
 
 def _raise_terminated(signum: int, frame: object) -> None:

@@ -90,11 +90,14 @@ def test_failing_worker_fails_the_run_and_leaves_no_process(cli, tmp_path):
     assert not leftovers
 
 
-def test_torchrun_makes_one_run(tmp_path):
+def test_torchrun_makes_one_run_in_one_output_dir(tmp_path):
+    """Every rank composes the config itself: all must still write into one output dir (its
+    logs, checkpoints, `.hydra/`), and rank 0 writes the summary and prints the closing lines,
+    as `python -m mgpu` does."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "mgpu",
-         *QUICK, "strategy=ddp"],
+         "train.steps=20", "eval.every_steps=0", "checkpoint.every_steps=10", "strategy=ddp"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -102,3 +105,12 @@ def test_torchrun_makes_one_run(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["launch.world_size"] == "2"
     assert "eval/accuracy" in run.data.metrics
+    [out] = (tmp_path / "outputs").glob("*/*")
+    assert str(out) == run.data.tags["mgpu.output_dir"]
+    assert {p.name for p in (out / "logs").glob("rank*.log")} == {"rank0.log", "rank1.log"}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {
+        p.name for p in (out / "checkpoints" / "step_00000020").iterdir()}
+    assert (out / ".hydra" / "config.yaml").is_file() and (out / "model.pt").is_file()
+    assert json.loads((out / "summary.json").read_text())["run_id"] == run.info.run_id
+    assert result.stdout.count("mgpu: done.") == 1
+    assert f"outputs: {out}" in result.stdout and run.info.run_id in result.stdout
