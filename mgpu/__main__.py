@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from mgpu import checkpoint, launch, tracking, worker
-from mgpu.config import GROUPS, Job, prepare
+from mgpu.config import GROUPS, Job, Options, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
@@ -51,6 +51,8 @@ def launch_one_job(cfg: DictConfig) -> float:
 
     uri = job.tracking.uri
     env = options.network.prepare_node(Path(job.output_dir))
+    if launch.multi_node(job):
+        return launch_on_many_nodes(job, options, env, worker.RunRequest(choices, overrides))
     run_id = None
     if job.tracking.enabled:
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
@@ -75,6 +77,33 @@ def launch_one_job(cfg: DictConfig) -> float:
         tracking.finish_run(uri, run_id, "FINISHED")
     report(job, run_id, summary, options.task.summary_line(summary))
     return summary[options.task.objective]
+
+
+def launch_on_many_nodes(
+    job: Job, options: Options, env: dict[str, str], request: worker.RunRequest
+) -> float:
+    """This node's part of a multi-node job: global rank 0 owns the run and every rank runs
+    its job; the parent of its node reports, the others say where the results are."""
+    try:
+        results = launch.launch(job, None, env, request)
+    except BaseException as e:
+        failed = isinstance(e, ChildFailedError)
+        error = launch.describe_failure(e, job) if failed else f"{type(e).__name__}: {e}"
+        if job.tracking.enabled:  # where rank 0 died before it could close the run
+            tracking.close_running(job.tracking.uri, job.tracking.experiment, job.output_dir,
+                                   "FAILED" if failed else "KILLED", error)
+        if failed:
+            raise RunFailed(f"{error} (logs: {job.output_dir}/logs)") from None
+        raise
+    outcome = results[min(results)]
+    if outcome.rank == 0:
+        report(outcome.job, outcome.run_id, outcome.summary,
+               options.task.summary_line(outcome.summary))
+    else:
+        print(f"mgpu: done on this node (ranks {min(results)}-{max(results)}); node "
+              f"{outcome.owner} holds rank 0 and reports the run: outputs "
+              f"{outcome.job.output_dir}, MLflow run {outcome.run_id}")
+    return outcome.summary[options.task.objective]
 
 
 def report(job: Job, run_id: str | None, summary: dict[str, float], headline: str) -> None:

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import re
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,18 @@ def torchrun_world() -> tuple[int, int] | None:
     return None
 
 
-def launch(job: Job, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
-    """Run `worker.main` on every local rank; returns {global rank: summary}.
+def multi_node(job: Job) -> bool:
+    """Whether the job may span several nodes: then no parent holds its run (global rank 0
+    does), since none can know before the rendezvous whether its node holds rank 0."""
+    return parse_nnodes(job.launch.nnodes)[1] > 1
+
+
+def launch(
+    job: Job, run_id: str | None, env: dict[str, str],
+    request: worker.RunRequest | None = None,
+) -> dict[int, Any]:
+    """Run `worker.main` on every local rank; returns {global rank: its result}: a summary,
+    or with a `request` (a multi-node job: rank 0 opens the run) a `worker.Outcome`.
 
     `env` (the network group's settings) goes to the workers, which set it before any
     communication library reads it. It is not set in this process: the fork server, started
@@ -58,12 +69,19 @@ def launch(job: Job, run_id: str | None, env: dict[str, str]) -> dict[int, Any]:
         max_restarts=settings.max_restarts,
         monitor_interval=0.1,
         start_method="forkserver",
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(job.output_dir, "logs", "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(elastic_log_dir(job))),
     )
     # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
     job_env = {JOB_PID_ENV: str(os.getpid())}
     with environment({**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}):
-        return elastic_launch(config, worker.main)(job, run_id, env)
+        return elastic_launch(config, worker.main)(job, run_id, env, request)
+
+
+def elastic_log_dir(job: Job) -> Path:
+    """Where the agent of this node keeps its workers' output and error reports: one folder
+    per node in a multi-node job, whose nodes share the output dir."""
+    log_dir = Path(job.output_dir, "logs", "elastic")
+    return log_dir / f"{socket.gethostname()}-{os.getpid()}" if multi_node(job) else log_dir
 
 
 def flight_recorder_env(output_dir: str) -> dict[str, str]:
@@ -110,7 +128,7 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
     """
     first = node_first_rank(error)
     reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
-    local_reports = _error_reports(Path(job.output_dir, "logs", "elastic"))
+    local_reports = _error_reports(elastic_log_dir(job))
     reports.update({first + local: message for local, message in local_reports.items()})
     causes = {
         r: m for r, m in reports.items()

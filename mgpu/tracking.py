@@ -199,6 +199,21 @@ def finish_run(uri: str, run_id: str, status: str, error: str | None = None) -> 
     client.set_terminated(run_id, status)
 
 
+def close_running(uri: str, experiment: str, output_dir: str, status: str, error: str) -> None:
+    """End as `status` every run of `output_dir` still RUNNING: in a multi-node job the run is
+    global rank 0's, whose id a parent never gets when rank 0 dies without closing it."""
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return
+    runs = client.search_runs(
+        [found.experiment_id],
+        filter_string=f"tags.`mgpu.output_dir` = '{output_dir}' and attributes.status = 'RUNNING'",
+    )
+    for run in runs:
+        finish_run(uri, run.info.run_id, status, error=error)
+
+
 class MetricLogger:
     """Queues metric points and writes them to MLflow in batches from a background thread."""
 

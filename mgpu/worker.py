@@ -23,13 +23,20 @@ log = logging.getLogger("mgpu.worker")
 
 
 @record
-def main(job: Job, run_id: str | None, env: dict[str, str] | None = None) -> dict[str, float]:
+def main(
+    job: Job, run_id: str | None, env: dict[str, str] | None = None,
+    request: RunRequest | None = None,
+) -> dict[str, float] | Outcome:
     """Started by the elastic agent on every rank: apply the network settings, join, run the task.
 
     `env` is set here rather than inherited: workers fork from a server started once per
-    process, so a sweep's later jobs would otherwise see the first job's settings.
+    process, so a sweep's later jobs would otherwise see the first job's settings. With a
+    `request` (a multi-node job) no parent holds the run: global rank 0 opens it and hands
+    its job to every rank (`run_owned_by_rank0`).
     """
     os.environ.update(env or {})
+    if request is not None:
+        return run_owned_by_rank0(job, Options.of(job.groups()), request, env or {})
     runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
         return start_task(job, Options.of(job.groups()), runtime, run_id)
