@@ -92,8 +92,10 @@ def cell_overrides(row) -> list[str]:
     short = [s for option in row.values() for s in SHORT.get(option.name, [])]
     uneven = row["balance"].declares("uneven") and row["strategy"].name != "strategy=single"
     ranks = 4 if "launch.nproc_per_node=4" in short else 2
-    straggler = [f"{STRAGGLER}[{','.join(['1.0'] * (ranks - 1) + ['3.0'])}]"] if uneven else []
-    return [*overrides(row), *RUN, *short, *straggler]
+    straggler = [f"{STRAGGLER}[{','.join(['1.0'] * (ranks - 1) + ['3.0'])}]"]
+    # A pipeline's last stage slowed too: the simulation must reach each stage's compute.
+    slowed = uneven or row["strategy"].declares("pipelined")
+    return [*overrides(row), *RUN, *short, *(straggler if slowed else [])]
 
 
 # ---- the matrix itself -----------------------------------------------------------------------
@@ -197,6 +199,7 @@ def train_cell(job: Job, runtime) -> dict:
             # For the reference: the model whole (on rank 0), what this rank's replica read.
             "weights": trainer.strategy.full_state_dict(trainer.model),
             "data_rank": trainer.balance.runtime.rank,
+            "stage_delays": dict(clock.stage_delays) if (clock := trainer.balance.clock) else {},
             "batches": recorder.by_step(),
             "buckets": [layouts[index][0] for index in sorted(layouts)],
         }
@@ -349,6 +352,10 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
             assert resumed["eval"] == first["eval"]
             for key, value in first["state"].items():
                 assert torch.equal(resumed["state"][key], value), key
+    if RUNS[name]["strategy"].declares("pipelined"):  # the last stage waited after each compute
+        delays = [records[0, rank]["stage_delays"] for rank in range(world_size)]
+        assert delays[-1]["forward"] > 0 and delays[-1]["backward"] > 0, delays
+        assert all(d["forward"] == d["backward"] == 0 for d in delays[:-1]), delays
     # The loss over the global batch falls (one rank's share of it is too small to tell).
     losses = [global_loss([records[0, r] for r in range(world_size)], step)
               for step in range(1, STEPS + 1)]
@@ -418,7 +425,8 @@ def test_supported_combination_matches_its_reference(name, matrix_results, tmp_p
                             f"{bound:.2e}; skipped steps {ref.skipped}, shares {shares}")
     if RUNS[name]["precision"].declares("loss_scaling"):  # the scale moved both ways
         assert ref.skipped and ref.growths, (ref.skipped, ref.growths)
-    if any(STRAGGLER in o for o in cell_overrides(RUNS[name])):  # it weighed uneven shares
+    straggler = any(STRAGGLER in o for o in cell_overrides(RUNS[name]))
+    if straggler and RUNS[name]["balance"].declares("uneven"):  # it weighed uneven shares
         assert any(len(set(share)) > 1 for share in shares), shares
     # What the run predicts (every strategy's own evaluation path: a pipeline's last stage,
     # tensor-parallel shards gathered) is what the model computes with the run's weights.

@@ -12,6 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -44,7 +45,10 @@ class EqualSplit:
         self.global_batch, self.grad_accum = global_batch, grad_accum
         self.sizes = [self.local_batch_size(global_batch, r, runtime.world_size)
                       for r in range(runtime.world_size)]
-        delay = Straggler(**dataclasses.asdict(straggler), rank=runtime.rank, seed=seed)
+        # `straggler.slowdown` has one factor per process: by global rank, where `runtime` is
+        # the data-parallel one (every stage of a pipeline is data-parallel rank 0).
+        rank = dist.get_rank() if dist.is_initialized() else runtime.rank
+        delay = Straggler(**dataclasses.asdict(straggler), rank=rank, seed=seed)
         self.clock = None
         # Decided from the whole section, not this rank's delay: every rank must run the clock,
         # since its metrics are collectives.
