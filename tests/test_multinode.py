@@ -22,9 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_make_one_run_one_output_dir_and_complete_checkpoints(tmp_path):
-    """Whichever node holds global rank 0 owns the run: one MLflow run, one output dir whose
-    checkpoint holds both ranks' shards, and the summary; the other node says where it is."""
+def start_nodes(tmp_path, *overrides: str) -> list[tuple[int, str, str]]:
+    """Two `python -m mgpu` node agents on loopback, started together in `tmp_path` with one
+    process each; returns each one's (exit code, stdout, stderr)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # Created once, before both nodes start: two processes creating a new SQLite store race in
     # its schema migration.
@@ -34,7 +34,7 @@ def test_two_nodes_make_one_run_one_output_dir_and_complete_checkpoints(tmp_path
     command = [
         sys.executable, "-m", "mgpu", "launch.nnodes=2", "launch.nproc_per_node=1",
         f"launch.rdzv_endpoint=127.0.0.1:{free_port()}", "launch.timeout_s=120",
-        "train.steps=20", "eval.every_steps=0", "checkpoint.every_steps=10",
+        "train.steps=20", "eval.every_steps=0", *overrides,
     ]
     nodes = [
         subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -42,8 +42,15 @@ def test_two_nodes_make_one_run_one_output_dir_and_complete_checkpoints(tmp_path
         for _ in range(2)
     ]
     outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (_, stderr) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, stderr[-3000:]
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs, strict=True)]
+
+
+def test_two_nodes_make_one_run_one_output_dir_and_complete_checkpoints(tmp_path):
+    """Whichever node holds global rank 0 owns the run: one MLflow run, one output dir whose
+    checkpoint holds both ranks' shards, and the summary; the other node says where it is."""
+    nodes = start_nodes(tmp_path, "checkpoint.every_steps=10")
+    for code, _, stderr in nodes:
+        assert code == 0, stderr[-3000:]
     [run] = mlflow_runs(tmp_path)
     assert run.info.status == "FINISHED"
     assert "eval/accuracy" in run.data.metrics
@@ -53,7 +60,16 @@ def test_two_nodes_make_one_run_one_output_dir_and_complete_checkpoints(tmp_path
     assert {"__0_0.distcp", "__1_0.distcp", "mgpu.json"} <= {p.name for p in checkpoint.iterdir()}
     assert {p.name for p in (out / "logs").glob("rank*.log")} == {"rank0.log", "rank1.log"}
     assert json.loads((out / "summary.json").read_text())["run_id"] == run.info.run_id
-    stdouts = sorted((stdout for stdout, _ in outputs), key=lambda s: "mgpu: done." in s)
+    stdouts = sorted((stdout for _, stdout, _ in nodes), key=lambda s: "mgpu: done." in s)
     other, owner = stdouts
     assert owner.count("mgpu: done.") == 1 and f"outputs: {out}" in owner
     assert "holds rank 0" in other and run.info.run_id in other and str(out) in other
+
+
+def test_rank_0_killed_leaves_no_running_run(tmp_path):
+    """Rank 0 owns the run but dies by SIGKILL, unable to close it: a parent closes it."""
+    nodes = start_nodes(tmp_path, "fault.mode=sigkill", "fault.kill_rank=0", "fault.at_step=5")
+    assert [code for code, _, _ in nodes] == [1, 1], [stderr[-2000:] for _, _, stderr in nodes]
+    assert any("rank 0" in stderr for _, _, stderr in nodes)
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"
