@@ -35,6 +35,10 @@ MODEL_PLANS = {
     "tp_plan": "a tensor-parallel plan (tp_plan)",
     "pipeline_stage": "pipeline split points (pipeline_stage)",
 }
+#: Why a model may lack a plan: the torch fact behind the refusal.
+PLAN_LIMITS = {
+    "tp_plan": "torch's tensor-parallel styles cover Linear and Embedding layers only",
+}
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,9 @@ def strategy_needs_a_model_plan(strategy: Option, model: Option) -> str | None:
     """Tensor and pipeline parallelism split a model where the model says it can be split."""
     for plan in strategy.declares("model_plans"):
         if not callable(getattr(model.obj, plan, None)):
+            limit = f"; {PLAN_LIMITS[plan]}" if plan in PLAN_LIMITS else ""
             return (f"{strategy} cannot run with {model} (it needs a model with "
-                    f"{MODEL_PLANS[plan]}, which {model.obj.__name__} lacks); use "
+                    f"{MODEL_PLANS[plan]}, which {model.obj.__name__} lacks{limit}); use "
                     f"{alternatives('model', lambda m, p=plan: callable(getattr(m.obj, p, None)))}")
     return None
 

@@ -243,3 +243,25 @@ def test_only_ddp_strategies_carry_a_comm_hook(tmp_path):
     carries = {n: build(j.strategy).supports_comm_hook for n, j in jobs.items()}
     assert carries == {"single": False, "ddp": True, "zero1": True, "fsdp": False, "tp": False,
                        "pp": False, "hybrid": False}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=tp", "model=mlp", "model.hidden=[256,25]"],
+         "strategy tp=2: must divide every width of model.hidden=[256, 25]"),
+        (["strategy=tp", "model=mlp", "strategy.sequence_parallel=true"],
+         "strategy.sequence_parallel=true: model=mlp reads no sequence"),
+        (["strategy=pp", "model=mlp", "model.hidden=[64]"],
+         "strategy pp=2: more pipeline stages than the 1 widths of model.hidden"),
+        (["strategy=tp", "model=cnn"],
+         "tensor-parallel styles cover Linear and Embedding layers only"),
+    ],
+)
+def test_mlp_and_cnn_refuse_what_their_plans_cannot_split(overrides, message, tmp_path):
+    assert_refused(overrides, message, tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["strategy=tp", "strategy=pp"])
+def test_mlp_takes_tensor_and_pipeline_parallelism(strategy, tmp_path):
+    make_job([strategy, "model=mlp"], tmp_path)

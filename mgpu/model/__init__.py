@@ -12,6 +12,8 @@ from typing import Protocol
 
 from torch import nn
 
+from mgpu.errors import ConfigError
+
 
 class Model(Protocol):
     #: It normalises over the batch (BatchNorm): a rank's local batch changes its outputs.
@@ -23,3 +25,24 @@ class Model(Protocol):
 
     def blocks(self) -> list[nn.Module]:
         """The model's repeated units, in order."""
+
+
+def check_pipeline_blocks(stages: int, blocks: int, what: str) -> None:
+    """ConfigError where `stages` pipeline stages would leave a stage without a block; `what`
+    names the setting that counts the blocks ("model.layers=3")."""
+    if stages > blocks:
+        raise ConfigError(
+            f"strategy pp={stages}: more pipeline stages than {what}; use pp <= {blocks}"
+        )
+
+
+def keep_stage_blocks(blocks: nn.ModuleDict, stage: int, stages: int) -> None:
+    """Delete from `blocks` (in model order) all but pipeline stage `stage`'s even share of
+    `stages`; the kept blocks keep their names, so the stage's state_dict keys are the whole
+    model's."""
+    names = list(blocks.keys())
+    bounds = [round(i * len(names) / stages) for i in range(stages + 1)]
+    keep = set(names[bounds[stage]:bounds[stage + 1]])
+    for name in names:
+        if name not in keep:
+            del blocks[name]

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mgpu.errors import ConfigError
+from mgpu.model import check_pipeline_blocks, keep_stage_blocks
 
 # Activations are (batch, sequence, dim): sequence parallelism shards dim 1.
 SEQ = Shard(1)
@@ -166,11 +167,7 @@ class GPT(nn.Module):
                 f"tp degree"
             )
         layers = settings.get("layers", 4)
-        if pp > layers:
-            raise ConfigError(
-                f"strategy pp={pp}: more pipeline stages than model.layers={layers}; "
-                f"use pp <= {layers}"
-            )
+        check_pipeline_blocks(pp, layers, f"model.layers={layers}")
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
@@ -226,12 +223,7 @@ class GPT(nn.Module):
         the blocks; the embeddings on the first stage, the norm and head on the last. A
         language model's last stage keeps the token embedding as its output layer: the one
         weight two stages hold (`tied_parameters`)."""
-        names = list(self.layers.keys())
-        bounds = [round(i * len(names) / stages) for i in range(stages + 1)]
-        keep = set(names[bounds[stage]:bounds[stage + 1]])
-        for name in names:
-            if name not in keep:
-                del self.layers[name]
+        keep_stage_blocks(self.layers, stage, stages)
         first, last = stage == 0, stage == stages - 1
         if not first:
             self.pos_emb = None
