@@ -107,7 +107,7 @@ def _cell(value: object) -> str:
 
 def write_markdown(path: Path, parent: Run, header: list[str], rows: list[list]) -> None:
     lines = [
-        f"# Sweep {parent.info.run_name}",
+        f"# {parent.info.run_name[:1].upper()}{parent.info.run_name[1:]}",  # "sweep <overrides>"
         "",
         f"Parent run `{parent.info.run_id}`, {len(rows)} job runs.",
         "",

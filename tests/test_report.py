@@ -46,6 +46,7 @@ def test_report_turns_a_2x2_sweep_into_a_table_and_plots(cli, tmp_path):
         assert row["timing"] == ("contended" if other > CONTENDED_ABOVE else "quiet")
     markdown = (tmp_path / "rep" / "report.md").read_text()
     assert markdown.count("| FINISHED |") == 4
+    assert markdown.startswith("# Sweep train.steps=30 ")  # the parent run's name, once
     png = tmp_path / "rep" / "throughput_vs_accuracy.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "rep" / "scaling.png").exists()  # world size 1 and 2 in this sweep
