@@ -4,7 +4,8 @@ schedule: the machinery shared by strategy=pp and the pp dimension of strategy=h
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ def check_pipeline(
     global_batch: int, schedule: str, microbatches: int, pp: int, dp: int
 ) -> None:
     """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch);
-    those it puts on other groups (no grad_accum) are in `mgpu.support`."""
+    those it puts on other groups are in `mgpu.support`."""
     local_batch = global_batch // dp
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
@@ -107,13 +108,25 @@ class Pipeline:
             stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "forward")
             stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "backward")
         cls = SCHEDULES[schedule]
-        # The factor the loss is multiplied by before the schedule's backward (amp's loss
-        # scale), set for each step; None: not scaled.
+        # Set for each step: the factor the loss is multiplied by before the schedule's
+        # backward (amp's loss scale; None: not scaled), and the number the step's micro-batch
+        # mean is divided by (the trainer's train.grad_accum micro-batches per optimizer step).
         self.loss_scale: torch.Tensor | None = None
+        self.divisor = 1.0
+        # Within `accumulating`: this step's gradients are added to by a later one before the
+        # optimizer step, so the tied weights' copies are not summed yet.
+        self.accumulate = False
+        # scale_grads=False: torch divides every parameter's whole .grad by n_microbatches at
+        # the end of each step, which would divide gradients accumulated over earlier steps
+        # again; they are divided once, after the optimizer step's last schedule step.
+        self.microbatches = microbatches
         self.schedule = cls(
             stages if per_rank > 1 else stages[0], n_microbatches=microbatches,
-            loss_fn=self.scaled_loss,
+            loss_fn=self.scaled_loss, scale_grads=False,
         )
+        # Each step fills and drains the pipeline, so accumulating over steps leaves the
+        # bubble of one step as it is (Megatron's micro-batches x accum in one schedule would
+        # shrink it; torch's schedules take a fixed n_microbatches).
         self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
         # Marks (perf_counter on CPU, CUDA events on the current stream on GPU), read at log
         # points: a stage's compute of each micro-batch, and each whole schedule step.
@@ -145,23 +158,45 @@ class Pipeline:
 
     def scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch: the schedule runs backward from it itself,
-        so a loss scale goes in here (in fp32, as amp scales a loss)."""
+        so the loss is divided here by `divisor` (its schedule step's weight in the optimizer
+        step), and a loss scale goes in here too (in fp32, as amp scales a loss)."""
         loss = cross_entropy(logits, labels)
+        if self.divisor != 1:
+            loss = loss / self.divisor
         return loss if self.loss_scale is None else loss.float() * self.loss_scale
 
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Steps whose gradients a later step of the same optimizer step adds to: the tied
+        weights' copies are summed once, after the last (summing the accumulated gradients
+        at every step would count the earlier steps' twice)."""
+        self.accumulate = True
+        try:
+            yield
+        finally:
+            self.accumulate = False
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
-                         loss_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """One schedule step over all micro-batches, the loss multiplied by `loss_scale` before
-        backward (amp); the mean loss, unscaled, sent from the last stage."""
+                         loss_scale: torch.Tensor | None = None,
+                         divisor: float = 1.0) -> torch.Tensor:
+        """One schedule step over all micro-batches, each micro-batch's loss divided by
+        `divisor` and multiplied by `loss_scale` before backward (amp); after the optimizer
+        step's last schedule step (outside `accumulating`) the gradients are divided by the
+        micro-batches per schedule step, so `divisor` steps give the mean gradient of all their
+        micro-batches. Returns the mean loss, unscaled, sent from the last stage."""
         start = self.clock.mark()
-        self.loss_scale = loss_scale
+        self.loss_scale, self.divisor = loss_scale, divisor
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
         self.schedule.step(*args, target=labels, losses=losses)
-        self.add_tied_gradients()
+        if not self.accumulate:
+            self.divide_gradients()
+            self.add_tied_gradients()
         self.steps.append((start, self.clock.mark()))
         last = self.rank == self.size - 1
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        if divisor != 1:
+            loss = loss * divisor  # the micro-batches' mean loss, undivided
         if loss_scale is not None:
             loss = loss / loss_scale
         dist.broadcast(loss, src=self.last_rank, group=self.group)
@@ -193,6 +228,15 @@ class Pipeline:
             logits = torch.empty(shape[1 : 1 + dims].tolist(), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
         return logits
+
+    def divide_gradients(self) -> None:
+        """Divide the gradients accumulated over the optimizer step by the micro-batches of a
+        schedule step, once (as torch's scale_grads does after every step): each micro-batch's
+        loss is its mean, so the activations' gradients keep the size one step gives them."""
+        for module in self.modules:
+            for param in module.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.microbatches)
 
     def add_tied_gradients(self) -> None:
         """Give both copies of a weight the first and the last stage share (a language model's

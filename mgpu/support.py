@@ -159,14 +159,6 @@ def uneven_batches_change_batch_statistics(balance: Option, model: Option) -> st
             f"{alternatives('model', lambda m: not m.declares('batch_statistics'))}")
 
 
-def pipelines_accumulate_already(grad_accum: Option, strategy: Option) -> str | None:
-    """A pipeline step already accumulates gradients over its micro-batches."""
-    if grad_accum.obj == 1 or not strategy.declares("pipelined"):
-        return None
-    return (f"{grad_accum} cannot run with {strategy} (pipeline schedules accumulate over "
-            f"strategy.microbatches already); use {GRAD_ACCUM_KEY}=1")
-
-
 def strategy_needs_a_model_plan(strategy: Option, model: Option) -> str | None:
     """Tensor and pipeline parallelism split a model where the model says it can be split."""
     for plan in strategy.declares("model_plans"):
@@ -205,7 +197,6 @@ RULES = (
     Rule(("balance", "compression"), one_comm_hook),
     Rule(("balance", "strategy"), uneven_batches_need_local_steps),
     Rule(("balance", "model"), uneven_batches_change_batch_statistics),
-    Rule(("grad_accum", "strategy"), pipelines_accumulate_already),
     Rule(("strategy", "model"), strategy_needs_a_model_plan),
     Rule(("data", "model"), token_data_needs_a_language_model),
 )

@@ -122,3 +122,58 @@ def test_pipeline_saves_padded_weights_at_the_model_sizes(tmp_path, strategy):
     )
     assert summary["eval/accuracy"] == alone["eval/accuracy"]
     assert summary["eval/loss"] == pytest.approx(alone["eval/loss"], rel=1e-5)
+
+
+def language_model() -> GPT:
+    """A two-block language model whose token embedding is also its output layer (tied across
+    the first and the last stage), built the same way on every rank (seed 0)."""
+    torch.manual_seed(0)
+    return GPT((8,), 16, dim=16, heads=2, layers=2, mlp_ratio=2)
+
+
+def accumulated_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two micro-batches of token sequences and their labels, the same on every rank."""
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(16, (2, 4, 8), generator=gen)
+    labels = torch.randint(16, (2, 4, 8), generator=gen)
+    return list(zip(tokens, labels, strict=True))
+
+
+def accumulate_on_two_stages(output_dir: str) -> dict[str, torch.Tensor]:
+    """On each of 2 ranks: two schedule steps of 2 micro-batches each accumulate one optimizer
+    step's gradients (the first inside `accumulating`, as the trainer's no_sync has it);
+    returns this rank's stage's gradients by the whole model's names."""
+    runtime = init_runtime(output_dir, 60)
+    try:
+        pipe = Pipeline(language_model(), dist.group.WORLD, runtime.device, "1f1b", 2,
+                        lambda s: s)
+        (first_in, first_labels), (second_in, second_labels) = accumulated_batches()
+        with pipe.accumulating():
+            pipe.forward_backward(first_in, first_labels, None, 2)
+        pipe.forward_backward(second_in, second_labels, None, 2)
+        [stage] = pipe.modules
+        return {name: p.grad.clone() for name, p in stage.named_parameters()}
+    finally:
+        shutdown()
+
+
+@pytest.mark.dist
+def test_accumulated_pipeline_steps_give_the_mean_gradient_of_all_their_pieces(tmp_path):
+    """grad_accum=2 over a 2-micro-batch pipeline: the gradient is one model's mean over the 4
+    pieces, the tied embedding's on both stages too (summed once, not once per step)."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="accumulate",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          start_method="spawn")
+    with environment(WORKER_ENV):
+        results = elastic_launch(config, accumulate_on_two_stages)(str(tmp_path))
+    model = language_model()
+    for tokens, labels in accumulated_batches():
+        for x, y in zip(tokens.tensor_split(2), labels.tensor_split(2), strict=True):
+            logits = model(x)
+            (F.cross_entropy(logits.flatten(0, -2), y.flatten()) / 4).backward()
+    whole = dict(model.named_parameters())
+    assert "tok_emb.weight" in results[0] and "tok_emb.weight" in results[1]
+    for rank in (0, 1):
+        for name, grad in results[rank].items():
+            torch.testing.assert_close(grad, whole[name].grad, rtol=1e-5, atol=1e-7,
+                                       msg=f"rank {rank}: {name}")

@@ -110,13 +110,20 @@ class Strategy(ABC):
         return self.layout.pipe if self.layout is not None else None
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        """Context for micro-batches whose gradients are only accumulated, not synchronised."""
+        """Context for micro-batches whose gradients are only accumulated, not synchronised.
+
+        A pipeline's schedule reduces its stages' gradients over data-parallel ranks at the end
+        of every step itself (FSDP2 adds each reduction to the gradient already reduced, so
+        that stays exact); what it leaves to the last micro-batch is summing the tied weights.
+        """
         data_parallel = self.layout.plan.data_parallel
-        if self.pipe is None and isinstance(data_parallel, DDPOptions):
+        if self.pipe is not None:
+            return self.pipe.accumulating()
+        if isinstance(data_parallel, DDPOptions):
             return model.no_sync()
-        if self.pipe is None and isinstance(data_parallel, FSDPOptions):
+        if isinstance(data_parallel, FSDPOptions):
             return gradient_sync_off(model)
-        return nullcontext()  # nothing synchronises gradients, or pipelines accumulate already
+        return nullcontext()  # nothing synchronises gradients
 
     def build_optimizer(
         self, optim: object, model: nn.Module, total_steps: int
@@ -168,7 +175,8 @@ class Strategy(ABC):
         if self.pipe is not None:
             # The schedule interleaves forward and backward passes: timed as one phase.
             with timer.phase("backward"), precision.autocast(inputs.device):
-                return self.pipe.forward_backward(inputs, labels, precision.grad_scale())
+                return self.pipe.forward_backward(inputs, labels, precision.grad_scale(),
+                                                  divisor)
         with timer.phase("forward"), precision.autocast(inputs.device):
             loss = cross_entropy(model(inputs), labels)
         with timer.phase("backward"):
