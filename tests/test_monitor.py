@@ -62,6 +62,7 @@ class HalfPrecisionWire:
     needs_comm_hook = True
     stateful = False
     exact = False
+    wire_dtype = None  # a hook of its own, not only a dtype
 
     def comm_hook(self, model: torch.nn.Module) -> tuple:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -140,6 +141,7 @@ class HeldAllReduce:
     needs_comm_hook = True
     stateful = False
     exact = True
+    wire_dtype = None
 
     def __init__(self) -> None:
         self.bytes, self.steps = 0, 0

@@ -144,7 +144,8 @@ SCALER = ["precision.init_scale=1024", "precision.growth_interval=4"]
 LOSS_ATOL, LOSS_RTOL = 0.02, 0.02
 
 
-def train_and_save_every_rank(job: Job, run_id: str | None, env: dict | None = None) -> dict:
+def train_and_save_every_rank(job: Job, run_id: str | None, env: dict | None = None,
+                              request: object = None) -> dict:
     """worker.main, but every rank saves its own weights, to compare the replicas."""
     runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
