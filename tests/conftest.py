@@ -23,7 +23,8 @@ from torch.distributed.launcher.api import elastic_launch
 from mgpu.config import Job, prepare
 from mgpu.errors import ConfigError
 from mgpu.launch import launch
-from mgpu.runtime import shutdown
+from mgpu.runtime import init_runtime, shutdown
+from mgpu.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -62,6 +63,20 @@ def launch_job(overrides: list[str], output_dir: Path) -> tuple[dict, dict]:
     results = launch(job, run_id=None, env={})
     weights = torch.load(output_dir / "model.pt", weights_only=True)
     return results[0], weights
+
+
+def train_on_this_rank(job: Job) -> tuple[dict, Trainer]:
+    """Per rank, inside a launched worker group: the job trained in a process group of its
+    own; its summary, and the trainer (closed) for what the test wants to read from it."""
+    runtime = init_runtime(job.output_dir, 120)
+    try:
+        trainer = Trainer.build(job, runtime, None)
+        try:
+            return trainer.train(), trainer
+        finally:
+            trainer.close()
+    finally:
+        shutdown()
 
 
 class LaunchedOnce:

@@ -29,7 +29,7 @@ from mgpu.model.mlp import MLP
 from mgpu.monitor.timing import PhaseTimer
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
-from tests.conftest import ROOT, launch_job, make_job, mlflow_runs
+from tests.conftest import ROOT, launch_job, make_job, mlflow_runs, train_on_this_rank
 
 EVAL_SLEEP_S = 3.0
 
@@ -249,17 +249,9 @@ def union_s(intervals: list[tuple[float, float]]) -> float:
 
 def train_held(job: Job) -> dict:
     """Per rank: the job trained, its summary and its HeldOneBit's records."""
-    runtime = init_runtime(job.output_dir, 120)
-    try:
-        trainer = Trainer.build(job, runtime, None)
-        try:
-            summary = trainer.train()
-        finally:
-            trainer.close()
-        held = trainer.compression
-        return {"summary": summary, "intervals": held.intervals, "handed": held.handed}
-    finally:
-        shutdown()
+    summary, trainer = train_on_this_rank(job)
+    held = trainer.compression
+    return {"summary": summary, "intervals": held.intervals, "handed": held.handed}
 
 
 @pytest.mark.dist

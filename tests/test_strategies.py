@@ -14,9 +14,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from mgpu.model.gpt import GPT as GPTModel
 from mgpu.options import build
 from mgpu.parallel import recompute_activations
-from mgpu.runtime import init_runtime, shutdown
-from mgpu.trainer import Trainer
-from tests.conftest import assert_refused, make_job
+from tests.conftest import assert_refused, make_job, train_on_this_rank
 from tests.test_ddp import SGD, assert_weights_close
 
 # Whichever dist test runs first also launches the single-process reference.
@@ -110,15 +108,7 @@ def train_marking_stages(job) -> dict:
                             (PipelineScheduleSingle, "step", "steps"),
                             (PipelineScheduleMulti, "step", "steps")]:
         setattr(cls, name, marked(kind, getattr(cls, name)))
-    runtime = init_runtime(job.output_dir, 120)
-    try:
-        trainer = Trainer.build(job, runtime, None)
-        try:
-            summary = trainer.train()
-        finally:
-            trainer.close()
-    finally:
-        shutdown()
+    summary, _ = train_on_this_rank(job)
     return {"summary": summary, **STAGE_MARKS}
 
 
