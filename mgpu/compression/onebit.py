@@ -65,14 +65,25 @@ def spread(scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return scales.repeat_interleave(counts, dim=-1, output_size=sum(sizes))
 
 
-def encode(compensated: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, transmitted) for a bucket whose parameters have `sizes` values each: packed
-    signs + one fp32 scale per parameter (4 bytes each); the value they stand for."""
-    pieces = compensated.split(sizes)
-    scales = torch.stack([piece.abs().mean() for piece in pieces]).to(torch.float32)
+def scaled_signs(compensated: torch.Tensor, sizes: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one fp32 scale per parameter: its mean absolute value, the value the signs and scales
+    stand for) for a bucket whose parameters have `sizes` values each."""
+    scales = torch.stack([piece.abs().mean() for piece in compensated.split(sizes)])
+    scales = scales.to(torch.float32)
     values = spread(scales, sizes).to(compensated.dtype)
-    transmitted = torch.where(compensated >= 0, values, -values)
-    return torch.cat([pack_signs(compensated), scales.view(torch.uint8)]), transmitted
+    return scales, torch.where(compensated >= 0, values, -values)
+
+
+def message(compensated: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A rank's whole message: packed signs + one fp32 scale per parameter (4 bytes each)."""
+    return torch.cat([pack_signs(compensated), scales.view(torch.uint8)])
+
+
+def encode(compensated: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, transmitted): the message of a bucket, and the value it stands for."""
+    scales, transmitted = scaled_signs(compensated, sizes)
+    return message(compensated, scales), transmitted
 
 
 def decode_chunks(gathered: torch.Tensor, sizes: list[int], widths: list[int]) -> torch.Tensor:
@@ -170,11 +181,12 @@ class OneBit(CommHookCompression):
         residual = self.bucket_residual(bucket)
         scale = self.grad_scale
         compensated = buffer + (residual if scale is None else residual * scale)
-        payload, transmitted = encode(compensated, sizes)
+        scales, transmitted = scaled_signs(compensated, sizes)
         # What this rank's message missed, unscaled: the residual once the step is applied.
         self.keep_missed(residual, compensated - transmitted)
         if self.all_to_all_path:
-            return self.compressed_all_reduce(group, bucket, compensated, sizes)
+            return self.compressed_all_reduce(group, bucket, compensated, sizes, scales)
+        payload = message(compensated, scales)
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
             buffer.copy_(decode_mean(fut.value(), sizes))
@@ -188,13 +200,12 @@ class OneBit(CommHookCompression):
         self.pending.append((residual, missed if scale is None else missed / scale))
 
     def compressed_all_reduce(self, group, bucket: dist.GradBucket, compensated: torch.Tensor,
-                              sizes: list[int]) -> torch.futures.Future:
+                              sizes: list[int], scales: torch.Tensor) -> torch.futures.Future:
         """The messages' chunks to their owners (all_to_all), each owner's compressed average
-        of its chunks back to every rank (all_gather), decoded into the bucket."""
+        of its chunks back to every rank (all_gather), decoded into the bucket. `scales`: this
+        rank's scale of each parameter, which every owner needs with its chunk."""
         world, names = group.size(), [self.names[id(p)] for p in bucket.parameters()]
-        pieces = compensated.split(sizes)
-        scales = torch.stack([piece.abs().mean() for piece in pieces]).to(torch.float32)
-        rows = [pack_chunks(piece, world) for piece in pieces]
+        rows = [pack_chunks(piece, world) for piece in compensated.split(sizes)]
         scale_bytes = scales.view(torch.uint8).expand(world, -1)
         messages = torch.cat([*rows, scale_bytes], dim=1).contiguous()
         widths = [row.shape[1] for row in rows]
