@@ -4,6 +4,7 @@ schedule: the machinery shared by strategy=pp and the pp dimension of strategy=h
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -62,6 +63,12 @@ def check_pipeline(
         )
 
 
+def scales_grads(schedule: type) -> bool:
+    """Whether this torch's `schedule` divides gradients by its micro-batches itself (torch >=
+    2.7 does unless told `scale_grads=False`; 2.6 has no such option)."""
+    return "scale_grads" in inspect.signature(schedule.__init__).parameters
+
+
 class Stages(nn.ModuleList):
     """This rank's pipeline stages: what the run trains and checkpoints. The list itself is
     never called (the schedule calls each stage), so what must act on a stage's compute hooks
@@ -118,11 +125,13 @@ class Pipeline:
         self.accumulate = False
         # scale_grads=False: torch divides every parameter's whole .grad by n_microbatches at
         # the end of each step, which would divide gradients accumulated over earlier steps
-        # again; they are divided once, after the optimizer step's last schedule step.
+        # again; they are divided once, after the optimizer step's last schedule step. torch
+        # 2.6's schedules have no such option and divide nothing.
         self.microbatches = microbatches
+        no_scaling = {"scale_grads": False} if scales_grads(cls) else {}
         self.schedule = cls(
             stages if per_rank > 1 else stages[0], n_microbatches=microbatches,
-            loss_fn=self.scaled_loss, scale_grads=False,
+            loss_fn=self.scaled_loss, **no_scaling,
         )
         # Each step fills and drains the pipeline, so accumulating over steps leaves the
         # bubble of one step as it is (Megatron's micro-batches x accum in one schedule would
