@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -24,6 +25,9 @@ from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
 
+# Read before `main` sets the variable for Hydra: whether the user asked for tracebacks.
+SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
+
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def app(cfg: DictConfig) -> float:
@@ -32,7 +36,7 @@ def app(cfg: DictConfig) -> float:
     except (ConfigError, RunFailed) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and goes on with the sweep
-        exit_with(e)
+        exit_with(e)  # here, not in `main`: Hydra would first print a line of its own
 
 
 def launch_one_job(cfg: DictConfig) -> float:
@@ -142,14 +146,11 @@ def one_line(error: BaseException) -> str:
 
 def main() -> None:
     """Entry point: user mistakes end as one line and a non-zero exit, bugs as a traceback."""
-    show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach this handler instead of Hydra's
     try:
         app()
     except (ConfigError, RunFailed, HydraException, OmegaConfBaseException) as e:
         tracking.end_sweep_run("FAILED")
-        if show_traceback:
-            raise
         exit_with(e)
     except BaseException:
         tracking.end_sweep_run("FAILED")
@@ -157,6 +158,10 @@ def main() -> None:
 
 
 def exit_with(error: BaseException) -> NoReturn:
+    """One line and exit code 2 for a user mistake, 1 for a failed run; the traceback first
+    where the user asked for it (`HYDRA_FULL_ERROR=1`)."""
+    if SHOW_TRACEBACK:
+        traceback.print_exception(error)
     kind = "run failed" if isinstance(error, RunFailed) else "config error"
     print(f"mgpu: {kind}: {one_line(error)}", file=sys.stderr)
     sys.exit(1 if isinstance(error, RunFailed) else 2)

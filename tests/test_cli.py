@@ -76,6 +76,26 @@ def test_bad_input_exits_with_one_line_and_no_run(cli, tmp_path, args, key):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.pt"))
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["strategy.bucket_cap=3"], "strategy.bucket_cap: Key 'bucket_cap' is not in struct"),
+        (["balance=ssp", "compression=onebit"],
+         "balance=ssp cannot run with compression=onebit"),
+    ],
+)
+def test_hydra_full_error_shows_the_traceback_and_keeps_exit_code_2(tmp_path, args, message):
+    """`HYDRA_FULL_ERROR=1` asks for the traceback of a user mistake; it stays a config error."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "HYDRA_FULL_ERROR": "1"}
+    result = subprocess.run([sys.executable, "-m", "mgpu", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback (most recent call last)" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"mgpu: config error: {message}"), result.stderr
+
+
 def test_failing_worker_fails_the_run_and_leaves_no_process(cli, tmp_path):
     result = cli(*QUICK, "fault.mode=exception", "fault.kill_rank=1", "fault.at_step=5")
     assert result.returncode == 1
