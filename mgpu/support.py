@@ -227,8 +227,8 @@ def refusal(chosen: dict[str, Option]) -> str | None:
     return None
 
 
-def check(job: Job, options: Options) -> None:
-    """ConfigError naming both keys where the job's options cannot run together (parent)."""
+def job_options(job: Job, options: Options) -> dict[str, Option]:
+    """The job's choice on every axis, as the rules read them."""
     chosen = {
         group: Option(group, option_name(group, getattr(job, group)["_target_"]),
                       getattr(options, group))
@@ -237,7 +237,12 @@ def check(job: Job, options: Options) -> None:
     model = import_target(job.model["_target_"])
     chosen["model"] = Option("model", option_name("model", job.model["_target_"]), model)
     [chosen["grad_accum"]] = grad_accum_options([job.train.grad_accum])
-    reason = refusal(chosen)
+    return chosen
+
+
+def check(job: Job, options: Options) -> None:
+    """ConfigError naming both keys where the job's options cannot run together (parent)."""
+    reason = refusal(job_options(job, options))
     if reason:
         raise ConfigError(reason)
 

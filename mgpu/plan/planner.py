@@ -1,0 +1,158 @@
+"""The planner: every candidate layout's predicted memory per rank and step time, ranked.
+
+Pure functions of the job, its options and what is known of the machine (`Machine`): no
+process group, nothing allocated (the model is built on the meta device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mgpu.monitor.mfu import flops_per_sample
+from mgpu.parallel import DDPOptions, FSDPOptions
+from mgpu.plan.candidates import Candidate, candidates
+from mgpu.plan.machine import Machine
+from mgpu.plan.memory import (
+    RankMemory,
+    activation_bytes,
+    buffer_bytes,
+    held_parameters,
+    optimizer_cost,
+    saved_activations,
+    stages,
+    state_bytes,
+)
+from mgpu.plan.speed import (
+    StepTime,
+    bubble,
+    comm_seconds,
+    compute_seconds,
+    data_parallel_collectives,
+    pipeline_collectives,
+    tp_collectives,
+    tp_layers,
+)
+
+if TYPE_CHECKING:
+    from mgpu.config import Job, Options
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One candidate's predictions: the rank that needs the most device memory, and the step."""
+
+    candidate: Candidate
+    memory: RankMemory
+    #: Parameter + gradient + optimizer bytes of every rank, by rank.
+    state_per_rank: list[int]
+    time: StepTime
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the planner reads from the job's model once: the meta model and its figures."""
+
+    module: nn.Module
+    input_shape: tuple
+    flops_per_sample: float
+    tp_layers: list
+    element_ratio: float
+
+
+def meta_model(job: Job, options: Options) -> Model:
+    """The job's model on the meta device (padded as its precision pads it)."""
+    data = options.data
+    with torch.device("meta"):
+        module = options.precision.prepare(
+            options.model(input_shape=data.input_shape, num_classes=data.num_classes))
+    flops = flops_per_sample(options.model, data.input_shape, data.num_classes)
+    compute = options.precision.param_dtype
+    ratio = torch.empty((), dtype=compute).element_size() / 4
+    layers = tp_layers(module, tuple(data.input_shape))
+    return Model(module, tuple(data.input_shape), flops, layers, ratio)
+
+
+def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, rank: int,
+                acts) -> RankMemory:
+    plan, strategy = candidate.plan, candidate.strategy
+    zero = strategy.shards_optimizer and isinstance(plan.data_parallel, DDPOptions)
+    params, grads, optim = state_bytes(model.module, plan, rank, optimizer_cost(options.optim),
+                                       zero)
+    local_batch = job.data["batch_size"] // plan.dp // job.train.grad_accum
+    activations = activation_bytes(acts, plan, rank, local_batch, model.element_ratio)
+    network = options.network
+    buffers = buffer_bytes(model.module, plan, rank, params, int(4 * model.element_ratio),
+                           network.gradient_as_bucket_view)
+    offloaded = isinstance(plan.data_parallel, FSDPOptions) and plan.data_parallel.cpu_offload
+    return RankMemory(params, grads, optim, activations, buffers, offloaded)
+
+
+def step_time(model: Model, job: Job, options: Options, candidate: Candidate, acts,
+              machine: Machine) -> StepTime:
+    """Rank 0's step (every rank of a layout does the same share, but pipeline ends)."""
+    plan = candidate.plan
+    samples = job.data["batch_size"] / plan.dp
+    unsharded = dataclasses.replace(plan, data_parallel=None)
+    held = held_parameters(model.module, unsharded, 0)
+    units = sum(len(m.blocks()) + 1 for m in stages(model.module, plan, 0))
+    zero = candidate.strategy.shards_optimizer and isinstance(plan.data_parallel, DDPOptions)
+    collectives = [
+        *data_parallel_collectives(plan, sum(h.nbytes for h in held), units, model.element_ratio,
+                                   options.network.bucket_cap_mb * MIB, zero, len(held)),
+        *tp_collectives(model.tp_layers, plan, samples, int(4 * model.element_ratio)),
+        *pipeline_collectives(plan, max(acts.block_inputs, default=0.0), samples),
+    ]
+    return StepTime(
+        compute_seconds(model.flops_per_sample, samples, plan, machine.flops_per_s),
+        comm_seconds(collectives, machine.links), bubble(plan),
+        sum(c.wire_bytes for c in collectives if c.group > 1),
+    )
+
+
+def plan_job(job: Job, options: Options, machine: Machine, memory_limit: float | None
+             ) -> list[Row]:
+    """Every candidate's predictions, fastest that fits first (`rank_rows`)."""
+    model = meta_model(job, options)
+    acts = saved_activations(model.module, model.input_shape, batch=2)
+    rows = []
+    for candidate in candidates(job, options):
+        ranks = [rank_memory(model, job, options, candidate, r, acts)
+                 for r in range(job.launch.world_size)]
+        worst = max(ranks, key=lambda m: m.device)
+        fits = memory_limit is None or worst.device <= memory_limit
+        rows.append(Row(candidate, worst, [m.state for m in ranks],
+                        step_time(model, job, options, candidate, acts, machine), fits))
+    return rank_rows(rows)
+
+
+def rank_rows(rows: list[Row]) -> list[Row]:
+    """Those that fit before those that do not, each by predicted step time."""
+    return sorted(rows, key=lambda r: (not r.fits, r.time.seconds))
+
+
+def smallest(rows: list[Row]) -> Row:
+    """The layout that needs the least device memory per rank."""
+    return min(rows, key=lambda r: r.memory.device)
+
+
+def format_table(rows: list[Row]) -> str:
+    """The ranked table: layout, predicted bytes per rank, predicted step time, fits."""
+    header = f"{'#':>3}  {'layout':<72} {'state MiB':>9} {'device MiB':>10} {'step ms':>9} fits"
+    lines = [header]
+    for i, row in enumerate(rows, 1):
+        lines.append(
+            f"{i:>3}  {row.candidate.name:<72} {max(row.state_per_rank) / MIB:>9.3f} "
+            f"{row.memory.device / MIB:>10.3f} {row.time.seconds * 1e3:>9.3f} "
+            f"{'yes' if row.fits else 'no'}"
+        )
+    return "\n".join(lines)
+
+

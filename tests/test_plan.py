@@ -1,0 +1,124 @@
+"""The planner (mgpu.plan) against what real layouts hold: parameter, gradient and optimizer
+bytes per rank measured on each rank of a launched group after one real step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from mgpu.config import Job, Options
+from mgpu.meter import local_bytes, optimizer_state_bytes
+from mgpu.parallel import DDPOptions
+from mgpu.pipeline import stages_per_rank
+from mgpu.plan import candidates, plan_job
+from mgpu.plan.machine import DEFAULT_LINKS, Machine
+from mgpu.runtime import init_runtime, shutdown
+from mgpu.trainer import Trainer
+from tests.conftest import make_job
+
+pytestmark = pytest.mark.timeout(900)
+ONE_STEP = ["train.steps=1", "train.warmup_steps=0", "train.log_every=1", "eval.every_steps=0",
+            "checkpoint.every_steps=0"]
+GPT = ["model=gpt", "model.dim=32", "model.mlp_ratio=2"]
+#: A stated machine: memory predictions do not depend on it.
+MACHINE = Machine(1e9, dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "broadcast"),
+                                     DEFAULT_LINKS["cpu"]), "test")
+
+
+def job_and_options(overrides: list[str], tmp_path) -> tuple[Job, Options]:
+    job = make_job(overrides, tmp_path)
+    return job, Options.of(job.groups())
+
+
+def state_layout(candidate) -> tuple:
+    """What decides where parameters and optimizer state live (not micro-batches, recompute,
+    resharding after forward or offload, which move no state between ranks)."""
+    plan = candidate.plan
+    per_rank = stages_per_rank(plan.pipeline.schedule) if plan.pipeline else 0
+    zero = candidate.strategy.shards_optimizer and isinstance(plan.data_parallel, DDPOptions)
+    return (plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp,
+            type(plan.data_parallel).__name__, per_rank, zero)
+
+
+def measure_layouts(job: Job, nodes: list[dict]) -> list[dict[str, int]]:
+    """Per rank: each strategy node built and trained one step in one process group; the bytes
+    of this rank's parameters, gradients and optimizer state (local shards), read just before
+    the step's zero_grad frees the gradients."""
+    runtime = init_runtime(job.output_dir, 120)
+    measured = []
+    try:
+        for node in nodes:
+            trainer = Trainer.build(dataclasses.replace(job, strategy=node), runtime, None)
+            held: dict[str, int] = {}
+            clear = trainer.optimizer.zero_grad
+
+            def read_then_clear(*args, trainer=trainer, held=held, clear=clear, **kwargs):
+                params = list(trainer.model.parameters())
+                held["params"] = sum(local_bytes(p) for p in params)
+                held["grads"] = sum(local_bytes(p.grad) for p in params if p.grad is not None)
+                held["optimizer"] = optimizer_state_bytes(trainer.optimizer)
+                return clear(*args, **kwargs)
+
+            trainer.optimizer.zero_grad = read_then_clear
+            trainer.train_step()
+            trainer.close()
+            measured.append(held)
+            del trainer
+    finally:
+        shutdown()
+    return measured
+
+
+def launch_measuring(job: Job, nodes: list[dict], monkeypatch) -> dict[int, list[dict]]:
+    ranks = job.launch.world_size
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id="plan",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                          start_method="spawn", monitor_interval=0.1, max_restarts=0)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as mgpu.launch does
+    return elastic_launch(config, measure_layouts)(job, nodes)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("ranks", "model", "optim"), [
+    (2, ["model=mlp"], "adamw"), (2, ["model=cnn"], "sgd"), (2, GPT, "adamw"), (4, GPT, "sgd"),
+    (4, ["model=mlp", "model.hidden=[64,64,64,64]"], "adamw"),
+], ids=["2-mlp-adamw", "2-cnn-sgd", "2-gpt-adamw", "4-gpt-sgd", "4-mlp-adamw"])
+def test_predicted_state_bytes_per_rank_match_measured(ranks, model, optim, tmp_path,
+                                                       monkeypatch):
+    """Every candidate the rules allow: predicted parameter + gradient + optimizer bytes of
+    each rank within 2% of what that rank holds after one real step. Candidates that place
+    state alike (they differ in micro-batches, recompute, resharding or offload) are predicted
+    alike, and one of each is measured."""
+    job, options = job_and_options(
+        [*model, f"optim={optim}", f"launch.nproc_per_node={ranks}", *ONE_STEP], tmp_path)
+    rows = plan_job(job, options, MACHINE, None)
+    groups: dict[tuple, list] = {}
+    for row in rows:
+        groups.setdefault(state_layout(row.candidate), []).append(row)
+    for same in groups.values():
+        assert all(r.state_per_rank == same[0].state_per_rank for r in same), same
+    chosen = [same[0] for same in groups.values()]
+    results = launch_measuring(job, [row.candidate.node for row in chosen], monkeypatch)
+    for i, row in enumerate(chosen):
+        for rank in range(ranks):
+            held = results[rank][i]
+            measured = held["params"] + held["grads"] + held["optimizer"]
+            predicted = row.state_per_rank[rank]
+            assert predicted == pytest.approx(measured, rel=0.02), (
+                row.candidate.name, rank, held, predicted)
+
+
+def test_candidates_are_the_layouts_the_rules_allow(tmp_path):
+    """gpt at 4 ranks: every strategy family, each with and without recompute; cnn has no
+    tensor-parallel plan nor pipeline stages, so only data-parallel layouts."""
+    job, options = job_and_options([*GPT, "launch.nproc_per_node=4"], tmp_path)
+    names = [c.name for c in candidates(job, options)]
+    for family in ("strategy=ddp", "strategy=zero1", "strategy=fsdp", "strategy=tp",
+                   "strategy=pp", "strategy=hybrid strategy.dp=2 strategy.tp=2 strategy.pp=1"):
+        assert any(n.startswith(family) for n in names), family
+    assert "strategy=ddp strategy.activation_checkpointing=full" in names
+    job, options = job_and_options(["model=cnn", "launch.nproc_per_node=2"], tmp_path)
+    families = {c.option for c in candidates(job, options)}
+    assert families == {"ddp", "zero1", "fsdp"}
