@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import signal
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,14 +61,54 @@ def poison_next_gradient(model: nn.Module) -> None:
     handle = param.register_hook(to_inf)
 
 
+def step_file(output_dir: str | Path, rank: int) -> Path:
+    """Where a rank keeps the step it is at (`StepMark`)."""
+    return Path(output_dir, "logs", f"rank{rank}.step")
+
+
+class StepMark:
+    """The step this rank is at, kept in an 8-byte memory-mapped file (`step_file`).
+
+    A rank killed by a signal (SIGKILL, the OOM killer) leaves no error report; the file is
+    where its launcher reads the step it died at. A write to mapped memory per step costs no
+    system call.
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(8))
+        with path.open("r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 8)
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        struct.pack_into("<q", self._map, 0, step)
+
+
+def read_step(path: Path) -> int | None:
+    """The step a rank's `StepMark` last recorded, or None where it never wrote one."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return struct.unpack("<q", data)[0] if len(data) == 8 else None
+
+
 @contextmanager
-def naming_step() -> Iterator[SimpleNamespace]:
-    """Errors escaping the training loop name the step they happened at (set `.step`).
+def naming_step(output_dir: str | Path, rank: int) -> Iterator[StepMark]:
+    """Errors escaping the training loop name the step they happened at (set `.step`), and a
+    rank killed without a word leaves its step in `step_file`.
 
     A rank whose peer hangs fails with a collective timeout that says nothing about where;
     with the step in the message the user's one-line summary says where the group stopped.
     """
-    at = SimpleNamespace(step=0)
+    at = StepMark(step_file(output_dir, rank))
     try:
         yield at
     except Exception as e:

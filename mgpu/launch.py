@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -16,7 +17,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mgpu import worker
+from mgpu import fault, worker
 from mgpu.config import Job, parse_nnodes
 from mgpu.meter import JOB_PID_ENV
 
@@ -73,8 +74,34 @@ def launch(
     )
     # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
     job_env = {JOB_PID_ENV: str(os.getpid())}
-    with environment({**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}):
+    worker_env = {**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}
+    with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"):
         return elastic_launch(config, worker.main)(job, run_id, env, request)
+
+
+# The loggers of torch's elastic agent and of the processes it starts and stops.
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+@contextmanager
+def agent_logs_to(path: Path):
+    """Write what the elastic agent logs (a failed rank's traceback, the ranks it terminates)
+    into `path` instead of the console, where a failure is one line naming where to look."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, (handlers, propagate) in zip(loggers, saved, strict=True):
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
+        handler.close()
 
 
 def elastic_log_dir(job: Job) -> Path:
@@ -136,23 +163,38 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
     }
     if causes:
         rank = min(causes)
+        signal_name = KILLED.search(causes[rank])
+        if signal_name:
+            return f"rank {rank} was killed by {signal_name[1]}{_at_step(job, rank)}"
         return f"rank {rank} failed: {causes[rank]}"
     silent = sorted(set(range(first, first + job.launch.nproc_per_node)) - set(reports))
     timeouts = [m for m in reports.values() if TIMED_OUT.search(m)]
     if silent and timeouts:  # the peers waited in a collective for a rank that never came
-        step = re.search(r"at step (\d+)", timeouts[0])
         return (
-            f"rank {silent[0]} hung{f' at step {step[1]}' if step else ''}: its peers timed out "
-            f"after launch.timeout_s={job.launch.timeout_s} s waiting for it "
-            f"({timeouts[0]})"
+            f"rank {silent[0]} hung{_at_step(job, silent[0], timeouts[0])}: its peers timed out "
+            f"after launch.timeout_s={job.launch.timeout_s} s waiting for it"
         )
     if silent:
         return (
-            f"rank {silent[0]} died without an error report (killed by a signal?); "
-            f"its peers then failed: {reports[min(reports)]}"
+            f"rank {silent[0]} died without an error report{_at_step(job, silent[0])} "
+            f"(killed by a signal?); its peers then failed: {reports[min(reports)]}"
         )
     rank = min(reports)
     return f"rank {rank} failed: {reports[rank]}"
+
+
+# The agent's report of a rank ended by a signal: "Signal 9 (SIGKILL) received by PID 123".
+KILLED = re.compile(r"Signal \d+ \((SIG\w+)\) received")
+
+
+def _at_step(job: Job, rank: int, peer_said: str = "") -> str:
+    """" at step N": the step the rank last started (its `fault.StepMark`), else the step its
+    peer's error names (the step they waited at), else ""."""
+    step = fault.read_step(fault.step_file(job.output_dir, rank))
+    if step is None:
+        named = re.search(r"at step (\d+)", peer_said)
+        step = int(named[1]) if named else None
+    return f" at step {step}" if step else ""
 
 
 def node_first_rank(error: ChildFailedError) -> int:

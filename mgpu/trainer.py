@@ -172,7 +172,8 @@ class Trainer:
         log.info("training %d steps on %d rank(s), %s", steps, self.runtime.world_size,
                  self.runtime.device)
         metrics: dict[str, float] = {}
-        with self.progress_bar() as bar, fault.naming_step() as at:
+        step_mark = fault.naming_step(self.runtime.output_dir, self.runtime.rank)
+        with self.progress_bar() as bar, step_mark as at:
             task = bar.add_task("train", total=steps, completed=self.start_step, loss="-", rate="-")
             for step in range(self.start_step + 1, steps + 1):
                 at.step = step

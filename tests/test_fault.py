@@ -21,15 +21,26 @@ def leftover_processes(tmp_path) -> list:
     ]
 
 
+def console_after_fault(stderr: str, mode: str) -> list[str]:
+    """The console's lines after the injected fault's own log line (the last progress output)."""
+    lines = stderr.strip().splitlines()
+    [at] = [i for i, line in enumerate(lines) if f"injecting fault.mode={mode}" in line]
+    return lines[at + 1:]
+
+
 def test_hung_rank_fails_the_run_within_the_timeout_naming_rank_and_step(cli, tmp_path):
     timeout_s = 5
     result = cli(*QUICK, "fault.mode=hang", "fault.kill_rank=1", "fault.at_step=5",
                  f"launch.timeout_s={timeout_s}")
     ended = time.time()
     assert result.returncode == 1
-    [line] = result.stderr.strip().splitlines()[-1:]
-    assert line.startswith("mgpu: run failed: rank 1 hung at step 5:"), result.stderr[-2000:]
-    assert f"launch.timeout_s={timeout_s}" in line
+    [out] = tmp_path.glob("outputs/*/*")
+    # One line after the progress output; torch elastic's tracebacks stay in the logs.
+    assert console_after_fault(result.stderr, "hang") == [
+        f"mgpu: run failed: rank 1 hung at step 5: its peers timed out after "
+        f"launch.timeout_s={timeout_s} s waiting for it (logs: {out}/logs)"
+    ], result.stderr[-3000:]
+    assert "Timed out" in (out / "logs" / "elastic" / "agent.log").read_text()
     [log] = tmp_path.glob("outputs/*/*/logs/rank1.log")
     [hang] = [line for line in log.read_text().splitlines() if "injecting fault.mode=hang" in line]
     hung_at = datetime.strptime(hang.split(" ", 1)[1][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
@@ -39,6 +50,19 @@ def test_hung_rank_fails_the_run_within_the_timeout_naming_rank_and_step(cli, tm
     assert not leftover_processes(tmp_path)
     [run] = mlflow_runs(tmp_path)
     assert run.info.status == "FAILED" and "rank 1 hung" in run.data.tags["mgpu.error"]
+
+
+def test_killed_rank_ends_the_run_with_one_line_naming_rank_and_step(cli, tmp_path):
+    result = cli(*QUICK, "fault.mode=sigkill", "fault.kill_rank=1", "fault.at_step=5")
+    assert result.returncode == 1
+    [out] = tmp_path.glob("outputs/*/*")
+    assert console_after_fault(result.stderr, "sigkill") == [
+        f"mgpu: run failed: rank 1 was killed by SIGKILL at step 5 (logs: {out}/logs)"
+    ], result.stderr[-3000:]
+    assert "SIGKILL" in (out / "logs" / "elastic" / "agent.log").read_text()
+    assert not leftover_processes(tmp_path)
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED" and "rank 1 was killed" in run.data.tags["mgpu.error"]
 
 
 def test_rank_that_always_fails_is_restarted_exactly_max_restarts_times(cli, tmp_path):
