@@ -107,14 +107,8 @@ class Pipeline:
             prepare_stage(copy.deepcopy(model).pipeline_stage(s, self.num_stages).to(device))
             for s in self.stage_ids
         )
-        stages = [
-            PipelineStage(module, s, self.num_stages, device, group=group)
-            for module, s in zip(self.modules, self.stage_ids, strict=True)
-        ]
-        for stage in stages:
-            stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "forward")
-            stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "backward")
         cls = SCHEDULES[schedule]
+        self.schedule_class = cls
         # Set for each step: the factor the loss is multiplied by before the schedule's
         # backward (amp's loss scale; None: not scaled), and the number the step's micro-batch
         # mean is divided by (the trainer's train.grad_accum micro-batches per optimizer step).
@@ -128,11 +122,8 @@ class Pipeline:
         # again; they are divided once, after the optimizer step's last schedule step. torch
         # 2.6's schedules have no such option and divide nothing.
         self.microbatches = microbatches
-        no_scaling = {"scale_grads": False} if scales_grads(cls) else {}
-        self.schedule = cls(
-            stages if per_rank > 1 else stages[0], n_microbatches=microbatches,
-            loss_fn=self.scaled_loss, **no_scaling,
-        )
+        # Built at the first step, from the shapes one micro-batch takes (`build_schedule`).
+        self.schedule = None
         # Each step fills and drains the pipeline, so accumulating over steps leaves the
         # bubble of one step as it is (Megatron's micro-batches x accum in one schedule would
         # shrink it; torch's schedules take a fixed n_microbatches).
@@ -142,6 +133,53 @@ class Pipeline:
         self.clock = clock_for(device)
         self.busy: list[tuple] = []
         self.steps: list[tuple] = []
+
+    def build_schedule(self, inputs: torch.Tensor) -> None:
+        """The stages and their schedule, each stage given its input and output shapes and
+        dtypes up front (`stage_examples`). Given none, torch infers them at the first step by
+        running each stage's forward in training mode, on a real micro-batch at the first stage
+        and on uninitialised memory at the others: BatchNorm's running statistics take an extra
+        update, from garbage (a CNN's stages would then evaluate with them)."""
+        examples = self.stage_examples(inputs)
+        stages = [
+            PipelineStage(module, s, self.num_stages, self.device, input_args=given,
+                          output_args=made, group=self.group)
+            for module, s, (given, made) in zip(self.modules, self.stage_ids, examples,
+                                                strict=True)
+        ]
+        for stage in stages:
+            stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "forward")
+            stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "backward")
+        no_scaling = {"scale_grads": False} if scales_grads(self.schedule_class) else {}
+        self.schedule = self.schedule_class(
+            stages if len(stages) > 1 else stages[0], n_microbatches=self.microbatches,
+            loss_fn=self.scaled_loss, **no_scaling,
+        )
+
+    def stage_examples(self, inputs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per stage of this rank: a meta tensor like its input and one like its output for one
+        micro-batch of `inputs`, as the schedule will pass them (activations requiring grad).
+
+        Found by passing the first micro-batch through the stages in evaluation mode without
+        gradients, under the caller's autocast (which sets the dtypes): nothing a step keeps
+        changes (no running statistics, no random draws)."""
+        modes = [module.training for module in self.modules]
+        examples = []
+        hidden = inputs.tensor_split(self.microbatches)[0]
+        with torch.no_grad():
+            for module, s in zip(self.modules, self.stage_ids, strict=True):
+                module.eval()
+                if s > 0 and self.size > 1:  # one rank holds every stage: passed on in place
+                    hidden = self.receive((s - 1) % self.size)
+                output = module(hidden)
+                examples.append((like(hidden, requires_grad=s > 0),
+                                 like(output, requires_grad=True)))
+                if s < self.num_stages - 1 and self.size > 1:
+                    self.send(output, (s + 1) % self.size)
+                hidden = output
+        for module, mode in zip(self.modules, modes, strict=True):
+            module.train(mode)
+        return examples
 
     def timed(self, compute: Callable, kind: str) -> Callable:
         """`compute` (a stage's `kind`, forward or backward, of one micro-batch), marked as busy
@@ -193,6 +231,8 @@ class Pipeline:
         step's last schedule step (outside `accumulating`) the gradients are divided by the
         micro-batches per schedule step, so `divisor` steps give the mean gradient of all their
         micro-batches. Returns the mean loss, unscaled, sent from the last stage."""
+        if self.schedule is None:
+            self.build_schedule(inputs)
         start = self.clock.mark()
         self.loss_scale, self.divisor = loss_scale, divisor
         losses: list[torch.Tensor] = []
@@ -343,6 +383,12 @@ class Pipeline:
         """`state` (keyed as `own_names` gives) keyed again as `template`, a state dict of this
         rank's stages, to load into them."""
         return {key: state[without_part(key, at)] for key in template}
+
+
+def like(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A meta tensor of `tensor`'s shape, strides and dtype (its metadata, no memory)."""
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return meta.requires_grad_(requires_grad)
 
 
 def without_part(key: str, at: int) -> str:

@@ -453,8 +453,8 @@ def test_a_pipeline_straggler_delays_every_stage_forward_and_backward(
         schedule, one_rank_group, tmp_path):
     """Under a pipeline the model the clock gets is the list of this rank's stages, which is
     never called itself: the straggler must act on each stage's own compute. Counted by the
-    test's own hooks on the stage modules, from step 2 on (step 1 also runs a stage's forward
-    and backward to infer shapes): every forward of a micro-batch, and every backward, was
+    test's own hooks on the stage modules, from step 2 on (step 1 also runs each stage's
+    forward once, to find the shapes it hands on): every forward of a micro-batch, and every backward, was
     followed by the straggler's delay (interleaved: two stages on the one rank)."""
     job = make_job([*QUICK, "strategy=pp", f"strategy.schedule={schedule}",
                     "strategy.microbatches=4", "model=gpt", "model.dim=32", "model.mlp_ratio=2",

@@ -13,6 +13,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu.config import Job
 from mgpu.launch import WORKER_ENV, environment
+from mgpu.model.cnn import CNN
 from mgpu.model.gpt import GPT
 from mgpu.options import build
 from mgpu.pipeline import Pipeline
@@ -176,4 +177,51 @@ def test_accumulated_pipeline_steps_give_the_mean_gradient_of_all_their_pieces(t
     for rank in (0, 1):
         for name, grad in results[rank].items():
             torch.testing.assert_close(grad, whole[name].grad, rtol=1e-5, atol=1e-7,
+                                       msg=f"rank {rank}: {name}")
+
+
+def small_cnn() -> CNN:
+    """Two conv blocks with BatchNorm, built the same way on every rank (seed 0)."""
+    torch.manual_seed(0)
+    return CNN((1, 8, 8), 10, channels=[4, 6], hidden=8)
+
+
+def images_and_labels() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(8, 1, 8, 8, generator=gen) * 2 + 1, torch.randint(10, (8,), generator=gen)
+
+
+def step_cnn_on_two_stages(output_dir: str) -> dict[str, torch.Tensor]:
+    """On each of 2 ranks: one 1F1B step of 4 micro-batches through a 2-stage CNN; returns
+    this rank's stage's buffers (BatchNorm's running statistics) by the whole model's names."""
+    runtime = init_runtime(output_dir, 60)
+    try:
+        pipe = Pipeline(small_cnn(), dist.group.WORLD, runtime.device, "1f1b", 4, lambda s: s)
+        pipe.forward_backward(*images_and_labels())
+        [stage] = pipe.modules
+        return {name: b.clone() for name, b in stage.named_buffers()}
+    finally:
+        shutdown()
+
+
+@pytest.mark.dist
+def test_pipeline_batchnorm_statistics_count_each_micro_batch_once(tmp_path):
+    """A CNN's BatchNorm running statistics after one pipeline step are one model's after a
+    training forward of each micro-batch in turn: no stage ran an extra forward (torch's shape
+    inference runs one, on a real micro-batch at the first stage and on uninitialised memory
+    at the others, unless the stages are given their shapes)."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="batchnorm",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          start_method="spawn")
+    with environment(WORKER_ENV):
+        results = elastic_launch(config, step_cnn_on_two_stages)(str(tmp_path))
+    model = small_cnn()
+    images, _ = images_and_labels()
+    for piece in images.tensor_split(4):
+        model(piece)
+    whole = dict(model.named_buffers())
+    assert "convs.0.1.running_mean" in results[0] and "convs.1.1.running_mean" in results[1]
+    for rank in (0, 1):
+        for name, buffer in results[rank].items():
+            torch.testing.assert_close(buffer, whole[name], rtol=1e-6, atol=1e-7,
                                        msg=f"rank {rank}: {name}")

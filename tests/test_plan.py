@@ -112,7 +112,7 @@ def test_predicted_state_bytes_per_rank_match_measured(ranks, model, optim, tmp_
 
 def test_candidates_are_the_layouts_the_rules_allow(tmp_path):
     """gpt at 4 ranks: every strategy family, each with and without recompute; cnn has no
-    tensor-parallel plan nor pipeline stages, so only data-parallel layouts."""
+    tensor-parallel plan, so only data-parallel and pipeline layouts."""
     job, options = job_and_options([*GPT, "launch.nproc_per_node=4"], tmp_path)
     names = [c.name for c in candidates(job, options)]
     for family in ("strategy=ddp", "strategy=zero1", "strategy=fsdp", "strategy=tp",
@@ -121,4 +121,4 @@ def test_candidates_are_the_layouts_the_rules_allow(tmp_path):
     assert "strategy=ddp strategy.activation_checkpointing=full" in names
     job, options = job_and_options(["model=cnn", "launch.nproc_per_node=2"], tmp_path)
     families = {c.option for c in candidates(job, options)}
-    assert families == {"ddp", "zero1", "fsdp"}
+    assert families == {"ddp", "zero1", "fsdp", "pp"}
