@@ -454,8 +454,9 @@ def test_a_pipeline_straggler_delays_every_stage_forward_and_backward(
     """Under a pipeline the model the clock gets is the list of this rank's stages, which is
     never called itself: the straggler must act on each stage's own compute. Counted by the
     test's own hooks on the stage modules, from step 2 on (step 1 also runs each stage's
-    forward once, to find the shapes it hands on): every forward of a micro-batch, and every backward, was
-    followed by the straggler's delay (interleaved: two stages on the one rank)."""
+    forward once, to find the shapes it hands on): every forward of a micro-batch, and every
+    backward, was followed by the straggler's delay (interleaved: two stages on the one
+    rank)."""
     job = make_job([*QUICK, "strategy=pp", f"strategy.schedule={schedule}",
                     "strategy.microbatches=4", "model=gpt", "model.dim=32", "model.mlp_ratio=2",
                     "launch.nproc_per_node=1", "straggler.slowdown=[3.0]"], tmp_path)
