@@ -18,10 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,cluster]'
 	touch $@
 
-install: $(VENV)/.installed ## create .venv and install mgpu with its dependencies
+install: $(VENV)/.installed ## create .venv and install mgpu with its dependencies (dev, cluster extras)
 
 run: install ## train the default experiment (2 processes, DDP, digits) and record it in MLflow
 	$(PY) -m mgpu $(ARGS)

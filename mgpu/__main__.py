@@ -46,12 +46,15 @@ def launch_one_job(cfg: DictConfig) -> float:
     overrides = list(hydra_cfg.overrides.task)
     torchrun = launch.torchrun_world()
     job, options = prepare(cfg, torch.cuda.device_count(), torchrun)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        tracking.check_sweeper_direction(
+            hydra_cfg.sweeper, job.tracking.objective.direction, objective_metric(job, options))
     if torchrun:
         outcome = worker.main_under_torchrun(job, options, choices, overrides)
         if outcome.rank == 0:
             headline = options.task.summary_line(outcome.summary)
             report(outcome.job, outcome.run_id, outcome.summary, headline)
-        return outcome.summary[options.task.objective]
+        return objective(job, options, outcome.summary)
 
     uri = job.tracking.uri
     env = options.network.prepare_node(Path(job.output_dir))
@@ -80,7 +83,7 @@ def launch_one_job(cfg: DictConfig) -> float:
     if run_id:
         tracking.finish_run(uri, run_id, "FINISHED")
     report(job, run_id, summary, options.task.summary_line(summary))
-    return summary[options.task.objective]
+    return objective(job, options, summary)
 
 
 def launch_on_many_nodes(
@@ -107,7 +110,23 @@ def launch_on_many_nodes(
         print(f"mgpu: done on this node (ranks {min(results)}-{max(results)}); node "
               f"{outcome.owner} holds rank 0 and reports the run: outputs "
               f"{outcome.job.output_dir}, MLflow run {outcome.run_id}")
-    return outcome.summary[options.task.objective]
+    return objective(job, options, outcome.summary)
+
+
+def objective(job: Job, options: Options, summary: dict[str, float]) -> float:
+    """The value a Hydra sweeper optimises: `tracking.objective.metric`, else the task's own
+    (eval/accuracy for train). Its direction is the sweeper's to know (`experiment=optuna`)."""
+    metric = objective_metric(job, options)
+    if metric not in summary:
+        raise ConfigError(
+            f"tracking.objective.metric={metric}: not in the run's summary; use one of "
+            f"{', '.join(sorted(summary))}"
+        )
+    return summary[metric]
+
+
+def objective_metric(job: Job, options: Options) -> str:
+    return job.tracking.objective.metric or options.task.objective
 
 
 def report(job: Job, run_id: str | None, summary: dict[str, float], headline: str) -> None:

@@ -31,6 +31,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import mgpu.cluster  # noqa: F401  (registers ${mgpu.allocation_endpoint:...}, experiment=slurm)
 import mgpu.rundir  # noqa: F401  (registers ${mgpu.now:...} for hydra.run.dir)
 from mgpu import support
 from mgpu.checkpoint import check_checkpoint
@@ -41,6 +42,7 @@ GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
 )
 FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad")
+DIRECTIONS = ("maximize", "minimize")
 DERIVED = {"derived": True}  # field metadata: set by `prepare`, not by the user
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,14 @@ class LaunchConf:
 
 
 @dataclass(frozen=True)
+class ObjectiveConf:
+    """What a job returns to a Hydra sweeper (Optuna), and which way is better."""
+
+    metric: str | None = None  # a summary key; None = the task's own (train: eval/accuracy)
+    direction: str = "maximize"  # maximize | minimize: hydra.sweeper.direction must agree
+
+
+@dataclass(frozen=True)
 class TrackingConf:
     """Where and under which names the run is recorded in MLflow."""
 
@@ -84,6 +94,7 @@ class TrackingConf:
     experiment: str = "mgpu"
     run_name: str | None = None
     system_metrics: bool = False  # MLflow's own CPU/GPU/memory sampling, logged by rank 0
+    objective: ObjectiveConf = field(default_factory=ObjectiveConf)
 
 
 @dataclass(frozen=True)
@@ -316,6 +327,10 @@ def check_root(values: dict) -> None:
     _positive("launch.timeout_s", launch["timeout_s"])
     if fault["mode"] is not None and fault["mode"] not in FAULT_MODES:
         raise ConfigError(f"fault.mode={fault['mode']}: use null, {' or '.join(FAULT_MODES)}")
+    direction = values["tracking"]["objective"]["direction"]
+    if direction not in DIRECTIONS:
+        raise ConfigError(
+            f"tracking.objective.direction={direction}: use {' or '.join(DIRECTIONS)}")
 
 
 def cap_warmup(train: dict) -> None:

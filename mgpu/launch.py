@@ -75,8 +75,25 @@ def launch(
     # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
     job_env = {JOB_PID_ENV: str(os.getpid())}
     worker_env = {**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}
-    with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"):
+    with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
+            start_method(config.start_method):
         return elastic_launch(config, worker.main)(job, run_id, env, request)
+
+
+@contextmanager
+def start_method(method: str):
+    """This process's default start method set to the launch's own, then restored.
+
+    A child of the fork server sets the start method its parent had by default; under Hydra's
+    joblib launcher that is loky's, which only loky's processes know: without this, every
+    worker died with "cannot find context for 'loky'" before reaching mgpu's code.
+    """
+    saved = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(saved, force=True)
 
 
 # The loggers of torch's elastic agent and of the processes it starts and stops.

@@ -39,6 +39,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from mgpu.config import Job, resolve_tracking_uri
+from mgpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,13 @@ class SweepRunCallback(Callback):
         tracking = config.tracking
         if not tracking.enabled:
             return
+        objective = tracking.objective
+        try:
+            check_sweeper_direction(config.hydra.sweeper, objective.direction, objective.metric)
+        except ConfigError:
+            # Hydra only warns about an error raised here: the first job refuses the sweep,
+            # which has no parent run.
+            return
         self.uri = resolve_tracking_uri(tracking.uri)
         # Creating the store here, once, keeps parallel jobs from racing on its migration.
         client = MlflowClient(self.uri)
@@ -297,6 +305,23 @@ class SweepRunCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         end_sweep_run("FAILED" if self.failed_jobs else "FINISHED")
+
+
+def check_sweeper_direction(sweeper: DictConfig, direction_wanted: str, metric: str | None) -> None:
+    """A sweeper that optimises (Optuna) must go the objective's way (`tracking.objective`):
+    Optuna's default, minimize, against eval/accuracy would search for the worst run."""
+    direction = OmegaConf.select(sweeper, "direction")
+    if direction is None:
+        return  # a sweeper that does not optimise (Hydra's basic grid)
+    direction = getattr(direction, "name", direction)  # Optuna's Direction enum or its name
+    if not isinstance(direction, str) or direction == direction_wanted:
+        return  # several directions: a multi-objective study, which mgpu returns no values for
+    raise ConfigError(
+        f"hydra.sweeper.direction={direction} but tracking.objective.direction="
+        f"{direction_wanted} ({metric}): the sweep would search for the worst run; set "
+        f"hydra.sweeper.direction={direction_wanted}, or use experiment=optuna, which takes "
+        f"tracking.objective.direction"
+    )
 
 
 def end_sweep_run(status: str) -> None:
