@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
 from mgpu.monitor.timing import WallClock, in_flight_s
 from mgpu.options import build
 from tests.conftest import QUICK, ROOT, assert_refused, launch_job, make_job, mlflow_runs
+from tests.readme import prometheus_series
 
 MLP_CFG = {"_target_": "mgpu.model.mlp.MLP", "hidden": [256, 256]}
 
@@ -376,3 +378,34 @@ def test_on_cuda_events_nvml_and_mfu(cli, tmp_path):
     if gpus > 1:  # ring all-reduce: 2(W-1)/W of the gradient bytes from each rank
         grad_bytes = sum(p.numel() * 4 for p in MLP((1, 8, 8), 10).parameters())
         assert metrics["comm/bytes_per_step"] == 2 * (gpus - 1) / gpus * grad_bytes
+
+
+def served_series(text: str | None) -> set[str]:
+    """The names of the `mgpu_` series a /metrics page holds samples of."""
+    lines = (text or "").splitlines()
+    return {re.split(r"[{ ]", line)[0] for line in lines if line.startswith("mgpu_")}
+
+
+@pytest.mark.e2e
+def test_the_port_alone_serves_every_series_the_readme_lists(tmp_path):
+    """`python -m mgpu monitor.prometheus_port=9400`, as the README shows it, fills the
+    dashboard: every series the README lists is served while the run trains (on a machine
+    without NVML all but the `mgpu_gpu_*` ones), and no series it leaves out."""
+    listed = prometheus_series()
+    assert len(listed) >= 10, listed
+    expected = {name for name in listed if not name.startswith("mgpu_gpu_")}
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    args = [f"monitor.prometheus_port={port}", "monitor.interval_s=0.5", "train.steps=600",
+            "train.warmup_steps=5", "train.log_every=10", "eval.every_steps=0",
+            "checkpoint.every_steps=0", "tracking.enabled=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    served: set[str] = set()
+    while proc.poll() is None and not expected <= served:
+        served |= served_series(scrape(port))
+        time.sleep(0.05)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert served == expected, (f"listed but not served: {sorted(expected - served)}; "
+                                f"served but not listed: {sorted(served - expected)}")

@@ -49,12 +49,16 @@ class Monitor:
         (after a resume too) left out of the phase figures."""
         self.runtime, self.run_id, self.uri = runtime, run_id, tracking_uri
         self.enabled = cfg.enabled
-        self.comm = CommMeter(runtime.device) if self.enabled and runtime.world_size > 1 else None
+        # An exporter's series need the phases, the comm timing and the telemetry: asking for
+        # a port turns them on (without their MLflow metrics, which `enabled` adds).
+        self.measuring = cfg.enabled or cfg.prometheus_port is not None
+        multi_rank = runtime.world_size > 1
+        self.comm = CommMeter(runtime.device) if self.measuring and multi_rank else None
         self.timer: PhaseTimer | NullTimer = (
             PhaseTimer(runtime.device, warmup_steps, self.comm)
-            if self.enabled else NullTimer()
+            if self.measuring else NullTimer()
         )
-        self.telemetry = Telemetry(runtime.device, cfg.interval_s) if self.enabled else None
+        self.telemetry = Telemetry(runtime.device, cfg.interval_s) if self.measuring else None
         self.mfu = mfu if self.enabled else None
         self.exporter = None
         if cfg.prometheus_port is not None:
@@ -82,11 +86,11 @@ class Monitor:
         """Step `step` ended, in which this rank took `samples` samples (a balance may change
         its share from step to step)."""
         self.window_samples += samples
-        if self.enabled:
+        if self.measuring:
             self.timer.end_step(step)
         if self.profiler:
             recording = self.profiler.after_step(step)
-            if self.enabled:
+            if self.measuring:
                 self.timer.annotate = recording
         self.window_steps += 1
 
@@ -99,7 +103,7 @@ class Monitor:
         bytes on the wire); `step_s` its mean step time, stalls left out. Returns the metrics
         rank 0 logs (an empty dict on other ranks, or when monitoring is off).
         """
-        window = self.timer.collect() if self.enabled else []
+        window = self.timer.collect() if self.measuring else []
         if self.exporter:
             self.export(step, step_s, metrics, window)
         self.window_steps = self.window_samples = 0
