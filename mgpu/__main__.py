@@ -24,6 +24,7 @@ from mgpu.config import GROUPS, Job, Options, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
+from mgpu.task import Task
 
 # Read before `main` sets the variable for Hydra: whether the user asked for tracebacks.
 SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -52,8 +53,7 @@ def launch_one_job(cfg: DictConfig) -> float:
     if torchrun:
         outcome = worker.main_under_torchrun(job, options, choices, overrides)
         if outcome.rank == 0:
-            headline = options.task.summary_line(outcome.summary)
-            report(outcome.job, outcome.run_id, outcome.summary, headline)
+            report(outcome.job, outcome.run_id, outcome.summary, options.task)
         return objective(job, options, outcome.summary)
 
     uri = job.tracking.uri
@@ -82,7 +82,7 @@ def launch_one_job(cfg: DictConfig) -> float:
     summary = results[min(results)]
     if run_id:
         tracking.finish_run(uri, run_id, "FINISHED")
-    report(job, run_id, summary, options.task.summary_line(summary))
+    report(job, run_id, summary, options.task)
     return objective(job, options, summary)
 
 
@@ -104,8 +104,7 @@ def launch_on_many_nodes(
         raise
     outcome = results[min(results)]
     if outcome.rank == 0:
-        report(outcome.job, outcome.run_id, outcome.summary,
-               options.task.summary_line(outcome.summary))
+        report(outcome.job, outcome.run_id, outcome.summary, options.task)
     else:
         print(f"mgpu: done on this node (ranks {min(results)}-{max(results)}); node "
               f"{outcome.owner} holds rank 0 and reports the run: outputs "
@@ -129,13 +128,16 @@ def objective_metric(job: Job, options: Options) -> str:
     return job.tracking.objective.metric or options.task.objective
 
 
-def report(job: Job, run_id: str | None, summary: dict[str, float], headline: str) -> None:
-    """Write summary.json and tell the user where the results are and how to open them."""
+def report(job: Job, run_id: str | None, summary: dict[str, float], task: Task) -> None:
+    """Write summary.json and tell the user where the results are (what the task wrote) and
+    how to open them."""
     out = Path(job.output_dir)
     (out / "summary.json").write_text(json.dumps({"run_id": run_id, **summary}, indent=2))
+    # A user's own task that names no outputs has what every task has.
+    written = getattr(task, "outputs", ("summary.json", "logs/"))
     print(
-        f"mgpu: done. {headline}\n"
-        f"  outputs: {out} (model.pt, summary.json, logs/)"
+        f"mgpu: done. {task.summary_line(summary)}\n"
+        f"  outputs: {out} ({', '.join(written)})"
     )
     if run_id:
         experiment = MlflowClient(job.tracking.uri).get_run(run_id).info.experiment_id

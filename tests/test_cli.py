@@ -36,6 +36,7 @@ def test_default_run_is_recorded_in_mlflow(cli, tmp_path):
     history = client.get_metric_history(run.info.run_id, "eval/accuracy")
     assert [m.step for m in history] == [50, 100, 150]
     out_dir = run.data.tags["mgpu.output_dir"]
+    assert f"  outputs: {out_dir} (model.pt, summary.json, logs/)" in result.stdout.splitlines()
     summary = json.loads(open(os.path.join(out_dir, "summary.json")).read())
     assert summary["run_id"] == run.info.run_id
     assert os.path.exists(os.path.join(out_dir, "logs", "rank1.log"))

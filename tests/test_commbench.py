@@ -60,6 +60,10 @@ def test_commbench_on_two_gloo_processes_logs_bandwidth_against_size(cli, tmp_pa
     assert result_.returncode == 0, result_.stderr
     assert "commbench peak busbw (GB/s): all_reduce" in result_.stdout
     [run] = mlflow_runs(tmp_path)
+    # The closing lines list what this task wrote, and only that.
+    out = run.data.tags["mgpu.output_dir"]
+    assert f"  outputs: {out} (commbench.csv, summary.json, logs/)" in result_.stdout.splitlines()
+    assert not os.path.exists(os.path.join(out, "model.pt"))
     assert run.info.status == "FINISHED" and run.data.tags["task"] == "commbench"
     # env. params: exactly the variables network=ethernet sets, nothing else from the environment
     env = {k: v for k, v in run.data.params.items() if k.startswith("env.")}

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 class Task(Protocol):
     #: The summary key a Hydra sweeper optimises (returned by `python -m mgpu`).
     objective: str
+    #: What the task writes into the output dir, as the closing lines list it.
+    outputs: tuple[str, ...]
 
     def run(
         self, job: Job, options: Options, runtime: Runtime, run_id: str | None

@@ -77,6 +77,8 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int, world_size: int) 
 
 
 class CommBench:
+    outputs = (TABLE_FILE, "summary.json", "logs/")
+
     def __init__(
         self,
         ops: list[str] = OPS,

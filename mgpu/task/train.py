@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 class Train:
     objective = "eval/accuracy"
+    outputs = ("model.pt", "summary.json", "logs/")
 
     def run(
         self, job: Job, options: Options, runtime: Runtime, run_id: str | None
