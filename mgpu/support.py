@@ -49,6 +49,9 @@ class Option:
     axis: str
     name: str  # "strategy=ddp", "train.grad_accum=2"
     obj: Any
+    #: Settings the option is tried with beyond its YAML ((key, value) pairs), e.g. a hybrid
+    #: strategy's degrees: written after its name on the command line.
+    layout: tuple[tuple[str, Any], ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -67,14 +70,16 @@ class Option:
 # ---- the options as configured in conf/ ------------------------------------------------------
 
 
-def conf_options(group: str, settings: dict[str, dict] | None = None) -> list[Option]:
-    """Every option of `group` in conf/, built from its YAML (updated by `settings[name]`):
-    settings objects for the groups that have them, the class itself for a model."""
+def conf_options(group: str, settings: dict[str, tuple[dict, ...]] | None = None) -> list[Option]:
+    """Every option of `group` in conf/, built from its YAML: settings objects for the groups
+    that have them, the class itself for a model. An option named in `settings` is built once
+    per layout listed there (its YAML updated by it), in that order."""
     options = []
     for name, node in conf_nodes(group).items():
-        node = {**node, **(settings or {}).get(name, {})}
-        made = import_target(node["_target_"]) if group == "model" else build(node)
-        options.append(Option(group, f"{group}={name}", made))
+        for layout in (settings or {}).get(name, ({},)):
+            made = (import_target(node["_target_"]) if group == "model"
+                    else build({**node, **layout}))
+            options.append(Option(group, f"{group}={name}", made, tuple(layout.items())))
     return options
 
 

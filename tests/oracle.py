@@ -31,7 +31,8 @@ scaled, then the ranks are averaged: the sum is the global mean's gradient, and 
 fp16 values have the magnitudes a real rank's have, so loss-scale overflows happen at the same
 steps. Where a sharded strategy computes in the precision's parameter dtype (FSDP's mixed
 precision), so does the reference, each micro-batch's gradient taken to fp32 before it is
-accumulated.
+accumulated; batch norms stay fp32 there, as the FSDP layout keeps them (batch_norm refuses
+low-precision weights beside its fp32 running statistics).
 
 What the reference takes from the run besides the batches: PowerSGD's bucket layout (which
 parameters DDP put in which bucket, in which order), which decides the random initial Q drawn
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgpu.balance.ssp import StaleSynchronous
 from mgpu.compression.bf16 import Bf16
@@ -177,6 +179,8 @@ def rank_gradient(model: torch.nn.Module, micro_batches: list[Batch], positions:
     work = model
     if compute_dtype not in (None, torch.float32):
         work = copy.deepcopy(model).to(compute_dtype)
+        for norm in (m for m in work.modules() if isinstance(m, _BatchNorm)):
+            norm.float()
     for inputs, labels in micro_batches:
         for x, y in zip(inputs.tensor_split(pieces), labels.tensor_split(pieces), strict=True):
             work.zero_grad(set_to_none=True)

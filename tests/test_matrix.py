@@ -39,11 +39,19 @@ from torch.distributed.tensor import DTensor
 
 from mgpu.config import Job
 from mgpu.launch import WORKER_ENV, environment
-from mgpu.matrix import BEGIN, END, axis_options, covering_rows, overrides, refused_rows, render
+from mgpu.matrix import (
+    BEGIN,
+    END,
+    axis_options,
+    cell_name,
+    covering_rows,
+    overrides,
+    refused_rows,
+    render,
+)
 from mgpu.options import build
 from mgpu.precision.padding import WRAPPER_NAMES
 from mgpu.runtime import init_runtime, shutdown
-from mgpu.support import AXES
 from mgpu.trainer import Trainer
 from tests.conftest import ROOT, assert_refused, make_job
 from tests.oracle import (
@@ -78,8 +86,7 @@ SHORT = {
 }
 
 OPTIONS = axis_options()
-RUNS = {"-".join(row[axis].name.partition("=")[2] for axis in AXES): row
-        for row in covering_rows(OPTIONS)}
+RUNS = {cell_name(row): row for row in covering_rows(OPTIONS)}
 REFUSED = refused_rows(OPTIONS)
 
 
@@ -91,7 +98,9 @@ STRAGGLER = "straggler.slowdown="
 def cell_overrides(row) -> list[str]:
     short = [s for option in row.values() for s in SHORT.get(option.name, [])]
     uneven = row["balance"].declares("uneven") and row["strategy"].name != "strategy=single"
-    ranks = 4 if "launch.nproc_per_node=4" in short else 2
+    # A strategy of a fixed size (hybrid: dp x tp x pp) starts that many ranks.
+    ranks = row["strategy"].declares("world_size") or (
+        4 if "launch.nproc_per_node=4" in short else 2)
     straggler = [f"{STRAGGLER}[{','.join(['1.0'] * (ranks - 1) + ['3.0'])}]"]
     # A pipeline's last stage slowed too: the simulation must reach each stage's compute.
     slowed = uneven or row["strategy"].declares("pipelined")
@@ -116,6 +125,20 @@ def test_covering_rows_hold_every_supported_pair_and_run_together():
     assert covered == supported
     assert not covered & set(refused)
     assert {pair for row, _ in REFUSED for pair in pairs(row)} >= set(refused)
+
+
+def test_a_hybrid_pair_runs_where_one_shape_runs_and_other_shapes_stay_refused(tmp_path):
+    """hybrid x cnn is supported (hybrid dp=2 runs it); a job asking for a shape with
+    tensor parallelism is still refused before launch, naming the torch limit."""
+    from mgpu.matrix import supported_and_refused
+
+    supported, _ = supported_and_refused(OPTIONS)
+    assert ("strategy=hybrid", "model=cnn") in supported
+    assert any(row["strategy"].name == "strategy=hybrid" and row["model"].name == "model=cnn"
+               for row in RUNS.values())
+    line = assert_refused(["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "model=cnn"],
+                          "strategy=hybrid cannot run with model=cnn", tmp_path)
+    assert "Linear and Embedding layers only" in line
 
 
 @pytest.mark.parametrize(("row", "reason"), REFUSED, ids=[r for _, r in REFUSED])
