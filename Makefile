@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch; a machine with GPUs may pass its own, e.g. `make TORCH=torch==2.11.0`.
 TORCH ?= torch==2.13.0
 MLFLOW_PORT ?= 5000
+# The directory make is run from, where `python -m mgpu` run there keeps mlflow.db: the shell's
+# $(PWD), which `make -C <repo>` leaves as it was (CURDIR is the repo then).
+WORKDIR := $(or $(PWD),$(CURDIR))
 ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -41,7 +44,7 @@ lint: install ## ruff
 ui: install ## serve the MLflow UI for ./mlflow.db on http://127.0.0.1:$(MLFLOW_PORT)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --host 127.0.0.1 \
 		--port $(MLFLOW_PORT) --workers 1 \
-		--backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}
+		--backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(WORKDIR)/mlflow.db}
 
 bench: install ## benchmarks, side by side in one run (with the peers in the bench extra); writes bench-report.json
 	$(PY) -m pip install -q -e '.[bench]'
