@@ -21,6 +21,11 @@ scaler), balance, step and data position (global sample index: valid at any worl
 per rank, under `rank<r>`, the compression state and the torch/numpy/python RNG states. A rank
 that did not exist when the checkpoint was saved starts with fresh per-rank state.
 
+Under another layout (the manifest records the degrees of the mesh dims, `layout_of`) a rank's
+random stream is not its old rank's: ranks that share a data-parallel replica (tensor and
+pipeline peers) must draw alike, and rank r of a ddp run was a replica of its own. Such a run
+starts every replica on a fresh stream of its own (`Trainer.build`), the same on its ranks.
+
 DCP loads only the keys of the template it is given, and the template comes from a fresh run:
 state whose keys or shapes are only known once training ran (error-feedback residuals created
 at the first step, PowerSGD memories, ssp's queue of gradients, a split over another world
@@ -338,8 +343,9 @@ def train_state(trainer: Trainer, step: int, with_rank_state: bool = True) -> di
     return state
 
 
-def apply_train_state(trainer: Trainer, state: dict[str, Any]) -> int:
-    """Put a loaded state dict back into the run; returns the step it was saved at."""
+def apply_train_state(trainer: Trainer, state: dict[str, Any], with_rng: bool = True) -> int:
+    """Put a loaded state dict back into the run; returns the step it was saved at. The
+    rank's random states only `with_rng`: saved by the same layout."""
     trainer.strategy.load_model_state_dict(trainer.model, state["model"])
     trainer.strategy.load_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
     trainer.scheduler.load_state_dict(state["scheduler"])
@@ -349,9 +355,18 @@ def apply_train_state(trainer: Trainer, state: dict[str, Any]) -> int:
     own = state.get(f"rank{trainer.runtime.rank}")
     if own is not None:
         own = unpack(own)
-        set_rng_state(own["rng"])
+        if with_rng:
+            set_rng_state(own["rng"])
         trainer.compression.load_state_dict(own["compression"])
     return state["progress"]["step"]
+
+
+def layout_of(trainer: Trainer) -> dict[str, int]:
+    """The degrees of the mesh dims the run's ranks are laid out by: a rank has the same place
+    (replica, tensor and pipeline coordinates) in two runs whose degrees agree."""
+    plan = trainer.strategy.layout.plan
+    return {"pp": plan.pp, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard,
+            "tp": plan.tp}
 
 
 # ---- the checkpointer on each rank -----------------------------------------------------------
@@ -375,6 +390,8 @@ class Checkpointer:
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="mgpu-ckpt")
         self.blocked_s: list[float] = []  # how long each save held up training
         self.valid: set[str] = set()  # names of checkpoints found or made intact (rank 0)
+        self.layout: dict[str, int] | None = None  # the run's layout, recorded by each commit
+        self.rng_restored = False  # whether restore put the saved random states back
 
     def _shared(self, objects: list) -> list:
         """Rank 0's `objects` on every rank."""
@@ -393,6 +410,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         partial = self.root / f"{step_dir(self.root, step).name}.partial.{self.token}"
+        self.layout = layout_of(trainer)
         state = train_state(trainer, step)
         if self.async_save:
             written = dcp.async_save(state, checkpoint_id=partial, process_group=self.group,
@@ -434,8 +452,8 @@ class Checkpointer:
             )
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
                  for p in sorted(partial.iterdir()) if p.is_file()}
-        record = {"step": step, "world_size": self.runtime.world_size, "run_id": self.run_id,
-                  "files": files}
+        record = {"step": step, "world_size": self.runtime.world_size, "layout": self.layout,
+                  "run_id": self.run_id, "files": files}
         write_file_durably(partial / MANIFEST, json.dumps(record, indent=1))
         final = step_dir(self.root, step)
         if final.exists():  # a broken checkpoint that resume skipped: keep it, out of the way
@@ -484,12 +502,22 @@ class Checkpointer:
         [source] = self._shared([str(found) if found else None])
         if source is None:
             return 0
-        saved_world = manifest(Path(source))["world_size"]
+        saved = manifest(Path(source))
+        saved_world, saved_layout = saved["world_size"], saved.get("layout")
+        # A checkpoint that does not record its layout was saved by this one (or by a run
+        # before layouts were recorded, which resumed only its own).
+        same_layout = saved_world == self.runtime.world_size and saved_layout in (
+            None, layout_of(trainer))
         state = train_state(trainer, 0, with_rank_state=self.runtime.rank < saved_world)
         dcp.load(state, storage_reader=SafeReader(source), planner=WeightsOnlyLoadPlanner(),
                  process_group=self.group)
-        step = apply_train_state(trainer, state)
+        step = apply_train_state(trainer, state, with_rng=same_layout)
+        self.rng_restored = same_layout and self.runtime.rank < saved_world
         log.info("resumed from %s (step %d, saved at world size %d)", source, step, saved_world)
+        if not same_layout:
+            log.info("random streams: the checkpoint's layout %s is not this run's %s; each "
+                     "data-parallel replica starts a fresh stream of its own", saved_layout,
+                     layout_of(trainer))
         return step
 
     def close(self) -> None:

@@ -45,11 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("mgpu.trainer")
 
 
-def replica_seed(seed: int, replica: int) -> int:
+def replica_seed(seed: int, replica: int, step: int = 0) -> int:
     """The seed of data-parallel replica `replica` in a run seeded `seed`: each (seed, replica)
     pair its own stream, where seed + replica would give seed 1's replica 0 the masks of seed
-    0's replica 1. A negative seed counts modulo 2**64, as torch.manual_seed reads it."""
-    return int(np.random.SeedSequence([seed % 2**64, replica]).generate_state(1)[0])
+    0's replica 1. A negative seed counts modulo 2**64, as torch.manual_seed reads it. A run
+    resumed at `step` without its saved random states (another layout) starts another stream,
+    so it does not draw the masks of the run's first steps again."""
+    entropy = [seed % 2**64, replica, *([step] if step else [])]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def one_comm_hook(*hooks: CommHook | None) -> CommHook | None:
@@ -153,6 +156,8 @@ class Trainer:
             checkpointer=Checkpointer(job.checkpoint, job.resume, runtime, run_id),
         )
         trainer.start_step = trainer.checkpointer.restore(trainer)
+        if trainer.start_step and not trainer.checkpointer.rng_restored:
+            torch.manual_seed(replica_seed(job.seed, data_runtime.rank, trainer.start_step))
         if trainer.start_step:
             trainer.log({"checkpoint/resumed_from_step": trainer.start_step}, trainer.start_step)
         return trainer
