@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from mgpu import checkpoint, launch, tracking, worker
+from mgpu import checkpoint, launch, rendezvous, tracking, worker
 from mgpu.config import GROUPS, Job, Options, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
@@ -91,6 +91,8 @@ def launch_on_many_nodes(
 ) -> float:
     """This node's part of a multi-node job: global rank 0 owns the run and every rank runs
     its job; the parent of its node reports, the others say where the results are."""
+    if job.launch.rdzv_endpoint:
+        rendezvous.meet(job)  # enough nodes, all with one config: else one line on each
     try:
         results = launch.launch(job, None, env, request)
     except BaseException as e:

@@ -72,6 +72,7 @@ class LaunchConf:
     nproc_per_node: Any = "auto"  # "auto" or a positive integer; the number, once prepared
     nnodes: str = "1"  # "N" or "MIN:MAX"
     rdzv_endpoint: str = ""  # host:port; empty = this machine on a free port
+    rdzv_timeout_s: int = 600  # how long a node waits at the rendezvous for the others
     max_restarts: int = 0
     timeout_s: int = 300  # collective timeout in seconds
     world_size: int = field(default=0, metadata=DERIVED)  # nodes x processes per node
@@ -325,6 +326,7 @@ def check_root(values: dict) -> None:
     _positive("eval.batch_size", values["eval"]["batch_size"])
     _positive("launch.max_restarts", launch["max_restarts"], 0)
     _positive("launch.timeout_s", launch["timeout_s"])
+    _positive("launch.rdzv_timeout_s", launch["rdzv_timeout_s"])
     if fault["mode"] is not None and fault["mode"] not in FAULT_MODES:
         raise ConfigError(f"fault.mode={fault['mode']}: use null, {' or '.join(FAULT_MODES)}")
     direction = values["tracking"]["objective"]["direction"]

@@ -67,6 +67,7 @@ def launch(
         run_id="mgpu",
         rdzv_backend="c10d",
         rdzv_endpoint=settings.rdzv_endpoint or "127.0.0.1:0",
+        rdzv_configs={"join_timeout": settings.rdzv_timeout_s},
         max_restarts=settings.max_restarts,
         monitor_interval=0.1,
         start_method="forkserver",
