@@ -24,6 +24,7 @@ from mgpu.config import GROUPS, Job, Options, prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
+from mgpu.plan import calibration, trials
 from mgpu.task import Task
 
 # Read before `main` sets the variable for Hydra: whether the user asked for tracebacks.
@@ -60,13 +61,20 @@ def launch_one_job(cfg: DictConfig) -> float:
     env = options.network.prepare_node(Path(job.output_dir))
     if launch.multi_node(job):
         return launch_on_many_nodes(job, options, env, worker.RunRequest(choices, overrides))
-    run_id = None
+    run_id = resumed = None
     if job.tracking.enabled:
         resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
-        run_id = resumed or tracking.start_job_run(
-            job, choices, overrides, tracking.data_params(options.data))
-        if not resumed:
-            tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
+        run_id = resumed or tracking.create_job_run(job, choices, overrides)
+    if options.planned is not None and not resumed:  # strategy=auto: trials, then its choice
+        job, options = trials.settle(job, options, run_id, env)
+    if run_id and not resumed:
+        tracking.log_job_config(job, run_id, tracking.data_params(options.data))
+        tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
+    prediction = None
+    if getattr(options.task, "trains", False):  # the planner's figures beside the measured
+        prediction = calibration.predict_own(job, options, torch.cuda.device_count())
+        if run_id:
+            tracking.log_metrics(uri, run_id, calibration.predicted(prediction), 0)
     try:
         # Sampled here, off the training ranks.
         with system_metrics(job.tracking, job.monitor.interval_s, run_id):
@@ -80,6 +88,11 @@ def launch_one_job(cfg: DictConfig) -> float:
             raise RunFailed(f"{error} (logs: {job.output_dir}/logs)") from None
         raise
     summary = results[min(results)]
+    if prediction is not None:
+        figures = calibration.errors(prediction, summary)
+        summary = {**summary, **figures}
+        if run_id:
+            tracking.log_metrics(uri, run_id, figures, int(summary.get("step", 0)))
     if run_id:
         tracking.finish_run(uri, run_id, "FINISHED")
     report(job, run_id, summary, options.task)

@@ -427,6 +427,8 @@ class Options:
     optim: Any
     task: Any
     model_node: dict[str, Any]
+    #: What strategy=auto planned before it was replaced by its choice (None: not planned).
+    planned: Any = None
 
     @classmethod
     def of(cls, nodes: Mapping[str, Any]) -> Options:
@@ -477,6 +479,8 @@ def prepare(
     values["output_dir"] = str(Path(values["output_dir"]).resolve())
     values["tracking"]["uri"] = resolve_tracking_uri(values["tracking"]["uri"])
     job = typed(Job, values)
+    if getattr(options.strategy, "planned", False):  # strategy=auto: a layout of its choice
+        job, options = options.strategy.resolve(job, options, cuda_devices, bool(torchrun_world))
 
     support.check(job, options)  # options of different groups that cannot run together
     check_model(options)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mgpu.options import CONF
+from mgpu.options import CONF, conf_nodes, import_target
 from mgpu.support import (
     AXES,
     RULES,
@@ -234,10 +234,25 @@ def render() -> str:
                for b in named(axes[second])):
             lines += grid(first, second, axes) + [""]
     lines += [f"{n}. {rule.summary}" for n, rule in enumerate(RULES, start=1)]
+    lines += ["", *planned_note()]
     lines += ["", "What each option declares (the rules read only these):", ""]
     for axis in DECLARATIONS:
         lines += declarations(axis, axes) + [""]
     return "\n".join([*lines, END])
+
+
+def planned_note() -> list[str]:
+    """Options that plan another of their group instead of being one (strategy=auto): not
+    rows of the grids, since they resolve before the rules apply."""
+    names = [f"{group}={name}" for group in AXES if group != "grad_accum"
+             for name, node in conf_nodes(group).items()
+             if getattr(import_target(node["_target_"]), "planned", False)]
+    if not names:
+        return []
+    return [f"{' and '.join(names)}: no row of its own; it resolves to a layout "
+            f"these rules allow with the other options (the fastest predicted by `python -m "
+            f"mgpu.plan`, or of its timed trials), before "
+            f"the rules are checked, so it runs wherever that strategy runs."]
 
 
 def cells_text() -> str:

@@ -73,12 +73,15 @@ class Option:
 def conf_options(group: str, settings: dict[str, tuple[dict, ...]] | None = None) -> list[Option]:
     """Every option of `group` in conf/, built from its YAML: settings objects for the groups
     that have them, the class itself for a model. An option named in `settings` is built once
-    per layout listed there (its YAML updated by it), in that order."""
+    per layout listed there (its YAML updated by it), in that order. An option that only plans
+    another (strategy=auto) is not one: it resolves before the rules apply."""
     options = []
     for name, node in conf_nodes(group).items():
         for layout in (settings or {}).get(name, ({},)):
             made = (import_target(node["_target_"]) if group == "model"
                     else build({**node, **layout}))
+            if getattr(made, "planned", False):
+                break  # strategy=auto: replaced by a concrete option before any rule reads it
             options.append(Option(group, f"{group}={name}", made, tuple(layout.items())))
     return options
 

@@ -128,6 +128,14 @@ def start_job_run(
 ) -> str:
     """Create the job's run: params = flattened config (and `extra_params`: what the options
     state about themselves, `data_params`), tags = group choices and overrides."""
+    run_id = create_job_run(job, choices, overrides)
+    log_job_config(job, run_id, extra_params)
+    return run_id
+
+
+def create_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) -> str:
+    """The job's run with its tags (group choices and overrides), before its params: a job
+    that plans its strategy (strategy=auto) first runs its trials as this run's children."""
     tracking = job.tracking
     client = MlflowClient(tracking.uri)
     overrides = [mask_override(override) for override in overrides]
@@ -141,7 +149,14 @@ def start_job_run(
         run_name=tracking.run_name or " ".join(overrides) or "defaults",
         tags=tags,
     )
-    run_id = run.info.run_id
+    client.log_text(run.info.run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
+    return run.info.run_id
+
+
+def log_job_config(job: Job, run_id: str, extra_params: Mapping[str, str] | None = None
+                   ) -> None:
+    """The job's params (its flattened config and `extra_params`) and its config."""
+    client = MlflowClient(job.tracking.uri)
     config = public_config(job)
     values = {**flatten(config), **(extra_params or {})}
     params = [
@@ -152,8 +167,6 @@ def start_job_run(
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
     client.log_text(run_id, OmegaConf.to_yaml(config), "config.yaml")
-    client.log_text(run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
-    return run_id
 
 
 def data_params(data: object) -> dict[str, str]:
@@ -187,6 +200,21 @@ def continue_run(uri: str, run_id: str | None) -> str | None:
         return None
     client.update_run(run_id, status="RUNNING")
     return run_id
+
+
+def start_trial_run(uri: str, parent_run_id: str, name: str, layout: str) -> str:
+    """A child run of the job's run for one timed trial of a planned layout (`mgpu.trial`)."""
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_run_id)
+    tags = {"mlflow.parentRunId": parent_run_id, "mgpu.trial": layout}
+    return client.create_run(parent.info.experiment_id, run_name=name, tags=tags).info.run_id
+
+
+def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+    """A few figures the parent computed (not the workers' stream), in one batch."""
+    now = int(time.time() * 1000)
+    batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+    MlflowClient(uri).log_batch(run_id, metrics=batch)
 
 
 def finish_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:

@@ -111,7 +111,8 @@ def launched_once(tmp_path_factory) -> LaunchedOnce:
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python -m mgpu ARGS` in `cwd`, tracking into `cwd/mlflow.db`."""
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}",
+           "MGPU_CACHE_DIR": str(cwd / ".cache")}  # what a run caches of the machine
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, "-m", "mgpu", *args], cwd=cwd, env=env, capture_output=True, text=True,

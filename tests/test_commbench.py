@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 
 import pytest
@@ -85,3 +86,11 @@ def test_commbench_on_two_gloo_processes_logs_bandwidth_against_size(cli, tmp_pa
     for row in rows:
         ratio = float(row["busbw_GBps"]) / float(row["algbw_GBps"])
         assert ratio == pytest.approx(bus_factor(row["op"], 2))
+    # The planner's table of this machine: each op's lowest latency and peak bus bandwidth.
+    [cached] = (tmp_path / ".cache").glob("commbench-*-cpu.json")
+    links = json.loads(cached.read_text())
+    for op in OPS:
+        assert links[op]["busbw_Bps"] == pytest.approx(
+            run.data.metrics[f"commbench/{op}/busbw_peak_GBps"] * 1e9)
+        assert links[op]["latency_s"] == pytest.approx(
+            run.data.metrics[f"commbench/{op}/latency_min_s"])

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mgpu.config import Job, Options
+from mgpu.config import Job, Options, prepare
 from mgpu.meter import local_bytes, optimizer_state_bytes
 from mgpu.parallel import DDPOptions
 from mgpu.pipeline import stages_per_rank
@@ -16,7 +17,7 @@ from mgpu.plan import candidates, plan_job
 from mgpu.plan.machine import DEFAULT_LINKS, Machine
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
-from tests.conftest import make_job
+from tests.conftest import assert_refused, compose_config, make_job, mlflow_runs
 
 pytestmark = pytest.mark.timeout(900)
 ONE_STEP = ["train.steps=1", "train.warmup_steps=0", "train.log_every=1", "eval.every_steps=0",
@@ -30,6 +31,12 @@ MACHINE = Machine(1e9, dict.fromkeys(("all_reduce", "all_gather", "reduce_scatte
 def job_and_options(overrides: list[str], tmp_path) -> tuple[Job, Options]:
     job = make_job(overrides, tmp_path)
     return job, Options.of(job.groups())
+
+
+def prepared(overrides: list[str], tmp_path) -> tuple[Job, Options]:
+    """The job and the options `prepare` built (with what strategy=auto planned)."""
+    cfg = compose_config([*overrides, f"output_dir={tmp_path}", "tracking.enabled=false"])
+    return prepare(cfg, cuda_devices=0, torchrun_world=None)
 
 
 def state_layout(candidate) -> tuple:
@@ -122,3 +129,50 @@ def test_candidates_are_the_layouts_the_rules_allow(tmp_path):
     job, options = job_and_options(["model=cnn", "launch.nproc_per_node=2"], tmp_path)
     families = {c.option for c in candidates(job, options)}
     assert families == {"ddp", "zero1", "fsdp", "pp"}
+
+
+def test_auto_resolves_to_the_fastest_predicted_layout_that_fits(tmp_path):
+    """strategy=auto plans in `prepare`: the job's strategy is the first row's concrete node
+    (workers never see auto), and the plan stays with the options for the run's record."""
+    job, options = prepared(["strategy=auto", *GPT, "launch.nproc_per_node=4"], tmp_path)
+    assert job.strategy["_target_"] != "mgpu.strategy.auto.Auto"
+    rows = options.planned.rows
+    assert rows[0].fits and rows[0].candidate.node == job.strategy
+    assert [r.time.seconds for r in rows] == sorted(r.time.seconds for r in rows)
+
+
+def test_a_memory_limit_no_layout_fits_names_the_smallest_layouts_need(tmp_path):
+    """The smallest: FSDP with its state offloaded to the host holds only activations
+    (32 samples x 2,354 bytes saved by the MLP's linear layers and ReLUs) and the two gathered
+    256x256 blocks FSDP keeps at once (2 x 263,168 bytes)."""
+    assert_refused(["strategy=auto", "strategy.memory_limit=1000"], (
+        "strategy.memory_limit=1000: no layout of 2 ranks fits 1,000 bytes per rank; the "
+        "smallest, strategy=fsdp strategy.reshard_after_forward=false "
+        "strategy.cpu_offload=true, needs 601,664 bytes per rank; raise "
+        "strategy.memory_limit, use more ranks or a smaller model"), tmp_path)
+
+
+@pytest.mark.e2e
+def test_auto_with_trials_times_them_as_child_runs_and_records_its_choice(cli, tmp_path):
+    """strategy=auto strategy.trials=2: two child runs tagged mgpu.trial under the job's run,
+    the job's run tagged with the choice (one of the two timed), the plan table as an
+    artifact, and the planner's prediction with its error beside what the run measured."""
+    result = cli("strategy=auto", "strategy.trials=2", "strategy.trial_steps=4",
+                 "train.steps=6", "train.warmup_steps=2", "eval.every_steps=0",
+                 "checkpoint.every_steps=0")
+    assert result.returncode == 0, result.stderr
+    runs = mlflow_runs(tmp_path)
+    trials = [r for r in runs if "mgpu.trial" in r.data.tags]
+    [job] = [r for r in runs if "mgpu.trial" not in r.data.tags]
+    assert len(trials) == 2
+    assert all(t.data.tags["mlflow.parentRunId"] == job.info.run_id for t in trials)
+    assert job.data.tags["mgpu.plan.choice"] in {t.data.tags["mgpu.trial"] for t in trials}
+    assert job.data.tags["mgpu.plan.chosen_by"] == "trials"
+    assert job.data.tags["strategy"] == "auto"
+    for run in (job, *trials):
+        for key in ("plan/predicted_step_seconds", "plan/predicted_bytes_per_rank",
+                    "plan/error_step_time", "plan/error_memory"):
+            assert key in run.data.metrics, (key, run.data.tags)
+    table = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(
+        job.info.run_id, "plan/plan.txt", str(tmp_path))
+    assert job.data.tags["mgpu.plan.choice"] in open(table).read()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mgpu import support
 from mgpu.errors import ConfigError
-from mgpu.options import build, conf_nodes
+from mgpu.options import build, conf_nodes, option_name
 from mgpu.parallel import ParallelPlan
 from mgpu.pipeline import SCHEDULES
 
@@ -130,4 +130,15 @@ def allowed(
         strategy.validate(dataclasses.replace(job, strategy=node), options)
     except ConfigError:
         return None
+    return Candidate(node, settings, option, strategy, strategy.plan(job.launch.world_size))
+
+
+def own_candidate(job: Job, options: Options) -> Candidate:
+    """The job's own strategy as a candidate (a run that named its layout), its settings those
+    that differ from its option's YAML."""
+    node = job.strategy
+    option = option_name("strategy", node["_target_"]).removeprefix("strategy=")
+    yaml = conf_nodes("strategy").get(option, {})
+    settings = {k: v for k, v in node.items() if k != "_target_" and yaml.get(k) != v}
+    strategy = options.strategy
     return Candidate(node, settings, option, strategy, strategy.plan(job.launch.world_size))

@@ -5,7 +5,8 @@ per-machine cache (`save_links`); where no run of it is cached the planner uses 
 default, and says so (`Machine.source`). The compute rate is measured here, by timing the
 job's own model for a few forward and backward passes at a rank's batch (on CPU with the
 thread count a worker gets, shared as the workers share the cores), so it includes what the
-model's small kernels achieve rather than a data sheet's peak.
+model's small kernels achieve rather than a data sheet's peak. On a GPU the parent takes the
+data sheet's peak at an assumed utilisation instead (it must not hold a CUDA context).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from mgpu.loss import cross_entropy
-from mgpu.monitor.mfu import flops_per_sample
+from mgpu.monitor.mfu import flops_per_sample, peak_flops
 from mgpu.plan.speed import Link
 
 #: A stated table for a machine commbench never ran on: gloo on one host's loopback, and
@@ -33,6 +34,8 @@ DEFAULT_LINKS = {
 #: The ops the planner prices.
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 TIMED_STEPS, WARMUP_STEPS = 5, 2
+#: The share of a GPU's dense peak a small model's step reaches, where it is not timed.
+ASSUMED_MFU = 0.4
 
 
 @dataclass(frozen=True)
@@ -128,10 +131,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def gpu_rate(device: torch.device, precision: Any) -> float | None:
+    """A GPU's dense peak for the compute dtype at `ASSUMED_MFU`, or None where the peak
+    table lacks it: timing the model here would hold a CUDA context in the parent for the
+    whole run."""
+    dtype = getattr(precision, "compute_dtype", precision.param_dtype)
+    peak = peak_flops(torch.cuda.get_device_name(device), dtype,
+                      torch.backends.cuda.matmul.allow_tf32)
+    return peak * ASSUMED_MFU if peak is not None else None
+
+
 def measure(options: Any, batch: int, world_size: int, device: torch.device) -> Machine:
     """This machine, as the planner sees it, for the job's model at a rank's `batch`."""
     links, source = load_links(device.type)
     data = options.data
     flops = flops_per_sample(options.model, data.input_shape, data.num_classes)
-    rate = measure_flops_rate(options, flops, batch, world_size, device)
+    rate = gpu_rate(device, options.precision) if device.type == "cuda" else None
+    if rate is None:
+        rate = measure_flops_rate(options, flops, batch, world_size, device)
     return Machine(rate, links, source)

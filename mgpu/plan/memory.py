@@ -216,8 +216,7 @@ def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activ
     seen: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        leaf_parameter = tensor.is_leaf and tensor.requires_grad
-        if id(tensor) not in seen and not leaf_parameter:
+        if id(tensor) not in seen and not is_parameter(tensor):
             seen.add(id(tensor))
             saved[where["at"]] += tensor.numel() * tensor.element_size() / batch
         return tensor
@@ -246,6 +245,12 @@ def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activ
             handle.remove()
     return Activations(saved["before"], saved["after"],
                        [saved[i] for i in range(len(blocks))], inputs_of)
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """A weight, or a view of one (a Linear saves its weight transposed): no activation."""
+    base = tensor._base if tensor._base is not None else tensor
+    return base.is_leaf and base.requires_grad
 
 
 def stage_blocks(count: int, stage: int, stages_total: int) -> range:

@@ -49,11 +49,20 @@ class Row:
     """One candidate's predictions: the rank that needs the most device memory, and the step."""
 
     candidate: Candidate
-    memory: RankMemory
-    #: Parameter + gradient + optimizer bytes of every rank, by rank.
-    state_per_rank: list[int]
+    #: Every rank's predicted memory, by rank.
+    ranks: list[RankMemory]
     time: StepTime
     fits: bool
+
+    @property
+    def memory(self) -> RankMemory:
+        """The rank that needs the most device memory."""
+        return max(self.ranks, key=lambda m: m.device)
+
+    @property
+    def state_per_rank(self) -> list[int]:
+        """Parameter + gradient + optimizer bytes of every rank, by rank."""
+        return [m.state for m in self.ranks]
 
 
 @dataclass(frozen=True)
@@ -120,17 +129,22 @@ def step_time(model: Model, job: Job, options: Options, candidate: Candidate, ac
 def plan_job(job: Job, options: Options, machine: Machine, memory_limit: float | None
              ) -> list[Row]:
     """Every candidate's predictions, fastest that fits first (`rank_rows`)."""
+    return rank_rows(predict(job, options, candidates(job, options), machine, memory_limit))
+
+
+def predict(job: Job, options: Options, layouts: list[Candidate], machine: Machine,
+            memory_limit: float | None) -> list[Row]:
+    """The predictions for each of `layouts`, in their order."""
     model = meta_model(job, options)
     acts = saved_activations(model.module, model.input_shape, batch=2)
     rows = []
-    for candidate in candidates(job, options):
+    for candidate in layouts:
         ranks = [rank_memory(model, job, options, candidate, r, acts)
                  for r in range(job.launch.world_size)]
-        worst = max(ranks, key=lambda m: m.device)
-        fits = memory_limit is None or worst.device <= memory_limit
-        rows.append(Row(candidate, worst, [m.state for m in ranks],
+        fits = memory_limit is None or max(m.device for m in ranks) <= memory_limit
+        rows.append(Row(candidate, ranks,
                         step_time(model, job, options, candidate, acts, machine), fits))
-    return rank_rows(rows)
+    return rows
 
 
 def rank_rows(rows: list[Row]) -> list[Row]:

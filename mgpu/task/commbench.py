@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from mgpu.errors import ConfigError
+from mgpu.plan.machine import save_links
 from mgpu.runtime import Runtime
 from mgpu.tracking import MetricLogger
 
@@ -124,6 +125,7 @@ class CommBench:
                                  for name in ("latency_s", "algbw_GBps", "busbw_GBps")}, size)
         summary = summarize(results)
         if runtime.is_main:
+            save_links(summary, runtime.device.type)  # this machine's table, for the planner
             path = write_table(results, runtime.output_dir / TABLE_FILE)
             if tracker:
                 tracker.log(summary, 0)

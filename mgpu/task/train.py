@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 class Train:
     objective = "eval/accuracy"
     outputs = ("model.pt", "summary.json", "logs/")
+    #: It trains the job's layout, so the planner's prediction for it is logged beside it.
+    trains = True
 
     def run(
         self, job: Job, options: Options, runtime: Runtime, run_id: str | None
