@@ -140,12 +140,20 @@ def balance_needs_a_comm_hook(balance: Option, strategy: Option) -> str | None:
 
 
 def one_comm_hook(balance: Option, compression: Option) -> str | None:
-    """DDP takes one comm hook: a balance and a compression cannot both install theirs."""
+    """DDP takes one comm hook (register_comm_hook): a balance and a compression cannot both
+    install theirs, except a compression that is only a wire dtype, which a balance that
+    carries one sends its own collectives in (as torch's fp16/bf16_compress_wrapper wraps a
+    hook)."""
     if not (balance.declares("needs_comm_hook") and compression.declares("needs_comm_hook")):
         return None
-    plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook"))
-    return (f"{balance} cannot run with {compression} (each installs DDP's one comm hook); "
-            f"use {plain} with {balance}, or balance=none")
+    carries = balance.declares("carries_wire_dtype")
+    if carries and compression.declares("wire_dtype"):
+        return None
+    plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook")
+                         or bool(carries and c.declares("wire_dtype")))
+    return (f"{balance} cannot run with {compression} (DDP takes one comm hook, and each "
+            f"installs its own: {compression} compresses in its hook, which no other hook can "
+            f"wrap); use {plain} with {balance}, or balance=none")
 
 
 def uneven_batches_need_local_steps(balance: Option, strategy: Option) -> str | None:

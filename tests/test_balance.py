@@ -356,6 +356,23 @@ def test_ssp_zero_is_bitwise_ddp_and_ssp_two_trains(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_ssp_sends_low_precision_gradients_counted_in_their_dtype(compression, tmp_path):
+    """ssp with a wire dtype: each bucket crosses as fp16/bf16 (half the bytes of a plain
+    all-reduce of the same buckets, counted by the compression) and is decompressed when the
+    stale step is applied; at staleness 0 the update is the compression's own (fp16/bf16 wire
+    without ssp), bitwise."""
+    run = [*QUICK, "train.steps=6", "train.log_every=3", f"compression={compression}"]
+    summary, stale_w = launch_job([*run, "balance=ssp", "balance.staleness=0"],
+                                  tmp_path / "ssp")
+    _, plain_w = launch_job(run, tmp_path / "plain")
+    assert summary["comm/compression_ratio"] == 2.0
+    assert summary["comm/bytes_per_step"] > 0
+    for name in plain_w:
+        assert torch.equal(stale_w[name], plain_w[name]), name
+
+
+@pytest.mark.dist
 def test_ssp_ahead_steps_is_how_far_the_fast_rank_ran_ahead(tmp_path):
     """Rank 1 five times slower, staleness 2: rank 0 runs ahead until it waits for step
     t - 2's all-reduce, which needs rank 1 to have started it. At the end of its backward of

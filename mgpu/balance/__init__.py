@@ -25,6 +25,9 @@ class Balance(Protocol):
     measures: bool
     #: It works through a DDP comm hook (the strategy must take one, and nothing else install one).
     needs_comm_hook: bool
+    #: Its comm hook sends gradients in a compression's wire dtype (fp16/bf16), so such a
+    #: compression runs with it instead of installing a hook of its own.
+    carries_wire_dtype: bool
     #: It learns from step to step (measured rates, a split, gradients in flight): checkpointed.
     stateful: bool
     #: Each step applies that step's averaged gradients (not older ones).
@@ -46,9 +49,10 @@ class Balance(Protocol):
         `grad_accum` micro-batches: the step clock's hooks (and the simulated `straggler`),
         where it runs."""
 
-    def comm_hook(self, model: nn.Module) -> CommHook | None:
+    def comm_hook(self, model: nn.Module, compression: object = None) -> CommHook | None:
         """After `attach`: the DDP comm hook this option works through, or None (most options);
-        `Trainer.build` registers it."""
+        `Trainer.build` registers it. Where the option `carries_wire_dtype`, its hook sends in
+        `compression`'s wire dtype and counts its bytes there."""
 
     def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches, endless."""

@@ -20,6 +20,12 @@ Under amp each step's averaged gradients carry the loss scale of the step they w
 at, which has changed by the time they are applied: they are unscaled by their own scale
 (`carried_scale`), and an overflow seen s steps late backs the scale off once.
 
+With a compression that is a wire dtype (fp16, bf16) each step's bucket is sent in that dtype,
+divided by the world size after the cast as torch's fp16/bf16_compress_wrapper does, and kept
+so until the stale step uses it, when it is decompressed to the bucket's dtype; the compression
+counts the bytes (in the wire dtype) as its own hook would. Checkpoints hold the queued
+gradients in the wire dtype.
+
 Same data and split as `none`; the metrics add `balance/ahead_steps`: how many of its earlier
 steps' all-reduces a rank found not yet completed when it finished a backward pass, the mean
 since the last log point, the largest over ranks. An all-reduce completes once every rank has
@@ -60,8 +66,10 @@ class StaleGradients:
     """DDP comm hook state: the in-flight all-reduces of the last `staleness` + 1 steps."""
 
     def __init__(self, staleness: int, world_size: int, names: dict[int, str],
-                 device: torch.device) -> None:
+                 device: torch.device, wire: object = None) -> None:
         self.staleness, self.world_size, self.device = staleness, world_size, device
+        # A compression whose wire dtype the gradients cross in, and which counts the bytes.
+        self.wire = wire
         self.names = names  # id(parameter) -> name
         self.step = 0  # synchronising backward passes seen so far
         # step → {parameter name: (future, averaged bucket, the parameter's view of it)}
@@ -72,7 +80,12 @@ class StaleGradients:
         self.scales: dict[int, torch.Tensor] = {}
 
     def hook(self, state: object, bucket: GradBucket) -> Future[torch.Tensor]:
-        averaged = bucket.buffer() * (1 / self.world_size)  # a copy: DDP reuses the buffer
+        if self.wire is None:
+            averaged = bucket.buffer() * (1 / self.world_size)  # a copy: DDP reuses the buffer
+        else:
+            self.wire.count_bucket(bucket)
+            averaged = bucket.buffer().to(self.wire.wire_dtype).div_(self.world_size)
+            self.wire.count_all_reduce(averaged.nbytes)
         work = dist.all_reduce(averaged, async_op=True)
         self.works.setdefault(self.step, []).append(work)
         future = work.get_future()
@@ -89,7 +102,9 @@ class StaleGradients:
         return result
 
     def stale(self, bucket: GradBucket) -> Future[torch.Tensor]:
-        """Step t - s's averaged gradients in this bucket's layout (zeros before step s)."""
+        """Step t - s's averaged gradients in this bucket's layout and dtype (zeros before step
+        s)."""
+        dtype = bucket.buffer().dtype  # decompressed from the wire dtype, where there is one
         old = self.sent.get(self.step - self.staleness)
         if old is None:
             done: Future[torch.Tensor] = Future()
@@ -99,9 +114,10 @@ class StaleGradients:
         future, averaged, _ = pieces[0]
         views = [view for _, _, view in pieces]
         if all(p[1] is averaged for p in pieces) and _is_whole(views, averaged):
-            return future.then(lambda f: f.value()[0])  # same bucket as then: hand it over
+            # Same bucket as then: hand it over (`to` copies only to decompress).
+            return future.then(lambda f: f.value()[0].to(dtype))
         futures = list({id(f): f for f, _, _ in pieces}.values())
-        return collect_all(futures).then(lambda _: torch.cat(views))
+        return collect_all(futures).then(lambda _: torch.cat(views).to(dtype))
 
     def earlier_in_flight(self) -> int:
         """This rank's steps between the one whose gradients it just applied and the one just
@@ -149,6 +165,7 @@ def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
 class StaleSynchronous(EqualSplit):
     measures = True
     needs_comm_hook = True
+    carries_wire_dtype = True  # fp16/bf16: the stale all-reduce is sent in that dtype
     stateful = True  # the averaged gradients still to be applied
     exact = False  # step t applies the gradients of step t - staleness
 
@@ -158,12 +175,14 @@ class StaleSynchronous(EqualSplit):
         self.staleness = staleness
         self.ahead = 0
 
-    def comm_hook(self, model: nn.Module) -> "CommHook":
-        """The stale-gradient hook and its in-flight steps, keyed by `model`'s parameter names.
-        No state for DDP to hand it: the hook's object holds everything."""
+    def comm_hook(self, model: nn.Module, compression: object = None) -> "CommHook":
+        """The stale-gradient hook and its in-flight steps, keyed by `model`'s parameter names,
+        sending in `compression`'s wire dtype where it has one. No state for DDP to hand it:
+        the hook's object holds everything."""
         runtime = self.runtime
+        wire = compression if getattr(compression, "wire_dtype", None) is not None else None
         self.stale = StaleGradients(
-            self.staleness, runtime.world_size, parameter_names(model), runtime.device)
+            self.staleness, runtime.world_size, parameter_names(model), runtime.device, wire)
         return None, self.stale.hook
 
     def carried_scale(self, grad_scale: torch.Tensor | None) -> torch.Tensor | None:

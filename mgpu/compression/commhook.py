@@ -103,10 +103,16 @@ class CommHookCompression:
         pass
 
     def _measured(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        self.count_bucket(bucket)
+        return self.hook(state, bucket)
+
+    def count_bucket(self, bucket: dist.GradBucket) -> None:
+        """A bucket DDP handed over: what its plain all-reduce would send (the yardstick), and
+        a synchronised step at the last one. Also called by a balance's hook that sends in
+        this compression's `wire_dtype` (ssp)."""
         self.plain_bytes += all_reduce_wire_bytes(bucket.buffer().nbytes, self.world_size)
         if bucket.is_last():  # DDP calls the hook once per bucket per synchronised step
             self.synced_steps += 1
-        return self.hook(state, bucket)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Future[torch.Tensor]:
         """Sum `tensor` over `group` in place, counting its bytes; the future holds the tensor."""
