@@ -36,7 +36,7 @@ import mgpu.rundir  # noqa: F401  (registers ${mgpu.now:...} for hydra.run.dir)
 from mgpu import support
 from mgpu.checkpoint import check_checkpoint
 from mgpu.errors import ConfigError
-from mgpu.options import build, import_target, option_name
+from mgpu.options import build, conf_nodes, import_target, option_name
 
 GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
@@ -140,6 +140,24 @@ class StragglerConf:
 
 
 @dataclass(frozen=True)
+class SwitchWhen:
+    """When a run switches strategy."""
+
+    at_step: int = 0  # after this optimizer step (0 < at_step < train.steps)
+
+
+@dataclass(frozen=True)
+class SwitchConf:
+    """Change strategy mid-run: a checkpoint at `when`, the worker group relaunched with `to`."""
+
+    # None = no switch; a strategy option (`fsdp`), or {name: <option>, its keys that differ}.
+    # Any: OmegaConf cannot merge a command line's dict into an optional dict that is None.
+    to: Any = None
+    when: SwitchWhen = field(default_factory=SwitchWhen)
+    started_at: float = field(default=0.0, metadata=DERIVED)  # wall clock of the switch's save
+
+
+@dataclass(frozen=True)
 class Job:
     """One resolved job: root sections typed, group nodes as the arguments of their class."""
 
@@ -154,6 +172,7 @@ class Job:
     fault: FaultConf = field(default_factory=FaultConf)
     monitor: MonitorConf = field(default_factory=MonitorConf)
     straggler: StragglerConf = field(default_factory=StragglerConf)
+    switch: SwitchConf = field(default_factory=SwitchConf)
     strategy: dict[str, Any] = MISSING
     precision: dict[str, Any] = MISSING
     compression: dict[str, Any] = MISSING
@@ -493,7 +512,51 @@ def prepare(
         option = None if group == "model" else getattr(options, group)
         if hasattr(option, "validate"):
             option.validate(job, options)
+    job = check_switch(job, torchrun_world is not None)
     return check_checkpoint(job), options
+
+
+def check_switch(job: Job, under_torchrun: bool) -> Job:
+    """`switch`, checked as the run after the switch would be (the support rules and the new
+    strategy's own checks); returns the job with `switch.to` as the whole strategy node."""
+    to, at_step = job.switch.to, job.switch.when.at_step
+    if to is None:
+        return job
+    if not isinstance(to, dict):
+        to = {"name": to}
+    given = ",".join(f"{key}:{value}" for key, value in to.items())
+    if under_torchrun:
+        raise ConfigError(f"switch.to={{{given}}}: torchrun cannot relaunch its workers with "
+                          "another strategy; run python -m mgpu, or resume the checkpoint "
+                          "with the new strategy yourself")
+    if not 0 < at_step < job.train.steps:
+        raise ConfigError(f"switch.when.at_step={at_step}: must be between 1 and "
+                          f"train.steps - 1 = {job.train.steps - 1}")
+    node = strategy_node(to)
+    after = dataclasses.replace(job, strategy=node, switch=SwitchConf())
+    options = Options.of(after.groups())
+    try:
+        support.check(after, options)
+        options.strategy.validate(after, options)
+    except ConfigError as e:
+        raise ConfigError(f"switch.to={{{given}}} is refused: {e}") from None
+    return dataclasses.replace(job, switch=dataclasses.replace(job.switch, to=node))
+
+
+def strategy_node(to: dict[str, Any]) -> dict[str, Any]:
+    """`switch.to` ({name: <option of conf/strategy>, its keys...}) as a checked strategy node."""
+    given = ",".join(f"{key}:{value}" for key, value in to.items())
+    choices = conf_nodes("strategy")
+    name = to.get("name")
+    if name not in choices:
+        raise ConfigError(f"switch.to={{{given}}}: name must be a strategy option: "
+                          f"{', '.join(choices)}")
+    node = choices[name]
+    node.update({key: value for key, value in to.items() if key != "name"})
+    try:
+        return check_group("strategy", node)
+    except ConfigError as e:
+        raise ConfigError(f"switch.to={{{given}}}: {e}") from None
 
 
 def check_model(options: Options) -> None:

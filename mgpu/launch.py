@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -18,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import fault, worker
-from mgpu.config import Job, parse_nnodes
+from mgpu.config import Job, SwitchConf, parse_nnodes
 from mgpu.meter import JOB_PID_ENV
 
 # Restarted groups on gloo reuse stale peer addresses from the shared rendezvous store
@@ -78,7 +79,21 @@ def launch(
     worker_env = {**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}
     with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
             start_method(config.start_method):
-        return elastic_launch(config, worker.main)(job, run_id, env, request)
+        results = elastic_launch(config, worker.main)(job, run_id, env, request)
+    if job.switch.to is None:
+        return results
+    return launch(switched(job, results), run_id, env, request)
+
+
+def switched(job: Job, results: dict[int, Any]) -> Job:
+    """The job after its switch: the new strategy, resuming the newest checkpoint (the one the
+    old strategy wrote at the switch's step, or a later one of the new strategy's where an
+    earlier invocation switched already) in the same run; no further switch."""
+    first = results[min(results)]
+    summary = first.summary if isinstance(first, worker.Outcome) else first
+    return dataclasses.replace(
+        job, strategy=job.switch.to, resume="auto",
+        switch=SwitchConf(when=job.switch.when, started_at=summary["switch/started_at"]))
 
 
 @contextmanager

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mgpu import fault
 from mgpu.balance import Balance
-from mgpu.checkpoint import Checkpointer
+from mgpu.checkpoint import Checkpointer, manifest, step_dir
 from mgpu.compression import CommHook, Compression
 from mgpu.config import Options
 from mgpu.data.loader import EvalBatches
@@ -53,6 +54,14 @@ def replica_seed(seed: int, replica: int, step: int = 0) -> int:
     so it does not draw the masks of the run's first steps again."""
     entropy = [seed % 2**64, replica, *([step] if step else [])]
     return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+
+def switch_metrics(job: Job, step: int) -> dict[str, float]:
+    """What the switch at `step` cost: wall time from the start of its save to the resumed
+    state (`switch/seconds`) and the checkpoint's bytes on disk (`switch/bytes`)."""
+    saved = manifest(step_dir(Path(job.checkpoint.dir), step))
+    return {"switch/at_step": step, "switch/seconds": time.time() - job.switch.started_at,
+            "switch/bytes": sum(f["bytes"] for f in saved["files"].values())}
 
 
 def one_comm_hook(*hooks: CommHook | None) -> CommHook | None:
@@ -86,6 +95,7 @@ class Trainer:
     monitor: Monitor
     checkpointer: Checkpointer
     start_step: int = 0  # the step of the checkpoint this run resumed from
+    switch_at: int = 0  # the step after which the run stops to switch strategy (0: never)
 
     @classmethod
     def build(
@@ -159,12 +169,15 @@ class Trainer:
             tracker=tracker,
             monitor=monitor,
             checkpointer=Checkpointer(job.checkpoint, job.resume, runtime, run_id),
+            switch_at=job.switch.when.at_step if job.switch.to is not None else 0,
         )
         trainer.start_step = trainer.checkpointer.restore(trainer)
         if trainer.start_step and not trainer.checkpointer.rng_restored:
             torch.manual_seed(replica_seed(job.seed, data_runtime.rank, trainer.start_step))
         if trainer.start_step:
             trainer.log({"checkpoint/resumed_from_step": trainer.start_step}, trainer.start_step)
+        if job.switch.started_at and tracker:  # the run after a switch, resumed from its save
+            trainer.log(switch_metrics(job, trainer.start_step), trainer.start_step)
         return trainer
 
     def train(self) -> dict[str, float]:
@@ -182,6 +195,8 @@ class Trainer:
         log.info("training %d steps on %d rank(s), %s", steps, self.runtime.world_size,
                  self.runtime.device)
         metrics: dict[str, float] = {}
+        if 0 < self.switch_at <= self.start_step:  # switched already: the new strategy goes on
+            return {"step": self.start_step, "switch/started_at": time.time()}
         step_mark = fault.naming_step(self.runtime.output_dir, self.runtime.rank)
         with self.progress_bar() as bar, step_mark as at:
             task = bar.add_task("train", total=steps, completed=self.start_step, loss="-", rate="-")
@@ -202,6 +217,8 @@ class Trainer:
                     with meter.stall() as stall:
                         results = self.evaluate()
                     self.log({**results, "time/eval_s": stall.seconds}, step)
+                if step == self.switch_at:
+                    return self.stop_for_switch(step, metrics)
                 if self.checkpointer.due(step):
                     with meter.stall():
                         self.log(self.checkpointer.save(self, step), step)
@@ -209,6 +226,14 @@ class Trainer:
         final_eval = self.evaluate()
         self.log(final_eval, steps)
         return {**metrics, **final_eval, **self.checkpointer.summary(), "step": steps}
+
+    def stop_for_switch(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """End this strategy's part of the run at `step`: its checkpoint, which the next
+        strategy resumes from (`mgpu.launch`), written and committed; no final evaluation."""
+        started = time.time()
+        self.log(self.checkpointer.save(self, step), step)
+        self.checkpointer.wait()
+        return {**metrics, "step": step, "switch/started_at": started}
 
     def train_step(self) -> tuple[torch.Tensor, int]:
         """One optimizer step over `grad_accum` micro-batches.
