@@ -1,0 +1,1 @@
+"""The job as a spec for another engine: `python -m mgpu.export kubernetes <overrides>`."""
