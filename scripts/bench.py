@@ -546,6 +546,89 @@ def bench_scaling(rounds: int, workdir: Path) -> dict:
     }
 
 
+#: The planner's bench job: model=gpt as a language model at 4 processes (as `strategies`).
+PLAN_JOB = ["model=gpt", "data=text", "optim=sgd", "optim.schedule=constant",
+            "launch.nproc_per_node=4"]
+PLAN_TRIALS = 3
+
+
+def plan_rows(overrides: list[str]) -> list:
+    """The planner's ranked rows for the job, as strategy=auto would plan it here."""
+    from hydra import compose, initialize_config_dir
+
+    from mgpu.config import prepare
+    from mgpu.options import CONF
+    from mgpu.plan import plan_job
+    from mgpu.plan.machine import measure
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config",
+                      overrides=[*overrides, "output_dir=.", "tracking.enabled=false"])
+    job, options = prepare(cfg, torch.cuda.device_count(), None)
+    world = job.launch.world_size
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    machine = measure(options, job.data["batch_size"] // world, world, device)
+    return plan_job(job, options, machine, None)
+
+
+def plan_grid(rows: list) -> list:
+    """The layouts timed: the top `PLAN_TRIALS` predicted (what trials would time), then the
+    fastest predicted of each strategy, degrees and schedule, without recompute or offload."""
+    grid, seen = list(rows[:PLAN_TRIALS]), set()
+    for row in rows:
+        plan = row.candidate.plan
+        family = (row.candidate.option, plan.dp, plan.tp, plan.pp,
+                  plan.pipeline.schedule if plan.pipeline else None)
+        offload = getattr(plan.data_parallel, "cpu_offload", False)
+        if family in seen or plan.activation_checkpointing != "none" or offload:
+            continue
+        seen.add(family)
+        if row not in grid:
+            grid.append(row)
+    return grid
+
+
+def bench_plan(rounds: int, workdir: Path) -> dict:
+    """The planner against measurement on model=gpt at 4 processes: predicted vs measured step
+    time (p50) per layout of a grid, and where strategy=auto's pick lands against the fastest
+    measured layout of the grid, without trials (the first predicted) and with trials=3 (the
+    fastest measured of the top 3 predicted)."""
+    steps, warmup = 30, 10
+    common = [*PLAN_JOB, f"train.steps={steps}", f"train.warmup_steps={warmup}",
+              "train.log_every=10", "eval.every_steps=0", "checkpoint.every_steps=0"]
+    rows = plan_rows(common)
+    grid = plan_grid(rows)
+    measured: dict[str, list[float]] = {row.candidate.name: [] for row in grid}
+    for _ in range(rounds):
+        for row in grid:
+            summary = run_mgpu([*common, *row.candidate.overrides()], workdir)
+            measured[row.candidate.name].append(summary["time/step_p50_s"])
+    per_layout = {}
+    for row in grid:
+        seconds = statistics.median(measured[row.candidate.name])
+        per_layout[row.candidate.name] = {
+            "predicted_step_s": row.time.seconds, "measured_step_s": seconds,
+            "error": row.time.seconds / seconds - 1,
+            "predicted_rank": rows.index(row) + 1,
+            "predicted_device_bytes_per_rank": row.memory.device,
+        }
+    best = min(v["measured_step_s"] for v in per_layout.values())
+    top = [row.candidate.name for row in rows[:PLAN_TRIALS]]
+    trial_pick = min(top, key=lambda name: per_layout[name]["measured_step_s"])
+    return {
+        "per_layout": per_layout,
+        "auto_pick_no_trials": top[0],
+        "auto_no_trials_vs_best": per_layout[top[0]]["measured_step_s"] / best,
+        "auto_pick_trials3": trial_pick,
+        "auto_trials3_vs_best": per_layout[trial_pick]["measured_step_s"] / best,
+        "best_measured": min(per_layout, key=lambda n: per_layout[n]["measured_step_s"]),
+        "median_abs_error": statistics.median(abs(v["error"]) for v in per_layout.values()),
+        "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on data=text, 4 processes, "
+                 f"{len(rows)} layouts planned, {len(grid)} timed, {steps} steps ({warmup} "
+                 f"warm-up), SGD, gloo; best = fastest measured of the timed grid",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
@@ -556,6 +639,7 @@ SECTIONS = {
     "compression": bench_compression,
     "strategies": bench_strategies,
     "scaling": bench_scaling,
+    "plan": bench_plan,
 }
 
 
