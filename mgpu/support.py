@@ -109,6 +109,16 @@ def one_process(strategy: Option) -> bool:
     return strategy.declares("world_size") == 1
 
 
+def no_hook_reason(strategy: Option) -> str:
+    """The torch fact that leaves `strategy` without a DDP comm hook."""
+    if one_process(strategy):
+        return "one process has no gradients to exchange"
+    if strategy.declares("sets_reduce_dtype"):
+        return "FSDP2 has no comm hook for its reduce-scatter, only a dtype to reduce in"
+    return ("its ranks hold parts of one model replica, so no gradient all-reduce runs for a "
+            "hook to carry")
+
+
 def compression_needs_a_comm_hook(compression: Option, strategy: Option) -> str | None:
     """A compression that is a DDP comm hook needs a strategy whose model takes one (FSDP2
     has no reduce-scatter comm hook, so PowerSGD/onebit cannot reach its gradients); one that
@@ -117,11 +127,9 @@ def compression_needs_a_comm_hook(compression: Option, strategy: Option) -> str 
         return None
     if compression.declares("wire_dtype") and strategy.declares("sets_reduce_dtype"):
         return None
-    why = "one process has nothing to communicate" if one_process(strategy) else (
-        "it takes no DDP comm hook")
+    why = no_hook_reason(strategy)
     plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook"))
     if strategy.declares("sets_reduce_dtype"):
-        why = "FSDP2 has no comm hook for its reduce-scatter, only a dtype to reduce in"
         plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook")
                              or bool(c.declares("wire_dtype")))
     return (f"{compression} cannot run with {strategy} ({why}); use "
@@ -129,11 +137,12 @@ def compression_needs_a_comm_hook(compression: Option, strategy: Option) -> str 
 
 
 def balance_needs_a_comm_hook(balance: Option, strategy: Option) -> str | None:
-    """A balance that works through a DDP comm hook (stale gradients) needs a DDP model."""
+    """A balance that works through a DDP comm hook (stale gradients) needs a DDP model: one
+    process has nothing to exchange, FSDP2 has no hook for its reduce-scatter, and tp/pp ranks
+    hold parts of one replica, with no gradient all-reduce."""
     if not balance.declares("needs_comm_hook") or strategy.declares("supports_comm_hook"):
         return None
-    why = "one process has nothing to synchronise" if one_process(strategy) else (
-        "it works through a DDP comm hook, which this strategy does not take")
+    why = f"it works through a DDP comm hook, and {no_hook_reason(strategy)}"
     return (f"{balance} cannot run with {strategy} ({why}); use "
             f"{alternatives('strategy', lambda s: s.declares('supports_comm_hook'))}, or "
             f"balance=none")
@@ -158,11 +167,17 @@ def one_comm_hook(balance: Option, compression: Option) -> str | None:
 
 def uneven_batches_need_local_steps(balance: Option, strategy: Option) -> str | None:
     """An uneven split is decided from each rank's own step time, which only exists where a
-    rank's forward and backward hold no collective the other ranks take part in."""
+    rank's forward and backward hold no collective the other ranks take part in (FSDP2
+    all-gathers every block inside them); tp/pp ranks read the same samples, with no split
+    between them to move."""
     if not balance.declares("uneven") or strategy.declares("uneven_batches"):
         return None
-    return (f"{balance} cannot run with {strategy} (its ranks communicate inside forward and "
-            f"backward, so no rank's step time is its own work to split the batch by); use "
+    why = ("FSDP2 all-gathers every block from all ranks inside forward and backward, so no "
+           "rank's step time is its own work to split the batch by")
+    if not strategy.declares("sets_reduce_dtype"):
+        why = ("its ranks hold parts of one model replica and read the same samples, so there "
+               "is no split of the batch between them to move")
+    return (f"{balance} cannot run with {strategy} ({why}); use "
             f"{alternatives('strategy', lambda s: s.declares('uneven_batches'))}, or balance=none")
 
 

@@ -141,6 +141,24 @@ def test_a_hybrid_pair_runs_where_one_shape_runs_and_other_shapes_stay_refused(t
     assert "Linear and Embedding layers only" in line
 
 
+def test_each_refusal_names_the_fact_behind_it():
+    """A refusal says why the pair cannot run in torch's or the machine's terms, not only that
+    an option lacks a declaration."""
+    facts = {
+        ("strategy=tp", "compression=bf16"): "no gradient all-reduce runs",
+        ("strategy=pp", "balance=throughput"): "read the same samples",
+        ("strategy=fsdp", "balance=thermal"): "FSDP2 all-gathers every block",
+        ("strategy=fsdp", "compression=onebit"): "FSDP2 has no comm hook for its reduce-scatter",
+        ("strategy=single", "balance=ssp"): "one process has no gradients to exchange",
+        ("compression=powersgd", "balance=ssp"): "DDP takes one comm hook",
+    }
+    for row, reason in REFUSED:
+        names = {option.name for option in row.values()}
+        for pair, fact in facts.items():
+            if set(pair) <= names and all(name in reason for name in pair):
+                assert fact in reason, reason
+
+
 @pytest.mark.parametrize(("row", "reason"), REFUSED, ids=[r for _, r in REFUSED])
 def test_refused_combination_fails_composition_with_its_reason(row, reason, tmp_path):
     assert assert_refused(overrides(row), reason, tmp_path) == reason
