@@ -30,6 +30,7 @@ from mgpu.monitor.timing import PhaseTimer
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
 from tests.conftest import ROOT, launch_job, make_job, mlflow_runs, train_on_this_rank
+from tests.oracle import initial_model
 
 EVAL_SLEEP_S = 3.0
 
@@ -367,3 +368,19 @@ def test_peak_memory_is_the_highest_of_any_rank(tmp_path):
                              "checkpoint.every_steps=0",
                              "model._target_=tests.test_figures.HeavyOnRank1MLP"], tmp_path)
     assert summary["memory/peak_bytes"] > RANK1_EXTRA_BYTES, summary["memory/peak_bytes"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("compression", "reduce_bytes"), [("none", 4), ("bf16", 2)])
+def test_fsdp_bytes_per_step_are_its_all_gathers_and_reduce_scatters(
+        compression, reduce_bytes, tmp_path):
+    """strategy=fsdp on 2 ranks, blocks kept gathered to backward: each step all-gathers every
+    parameter once (fp32) and reduce-scatters every gradient once (fp32, or bf16 where the
+    compression sets FSDP's reduce dtype); a rank sends (W - 1) / W of each whole buffer."""
+    overrides = ["strategy=fsdp", "strategy.reshard_after_forward=false",
+                 f"compression={compression}", "train.steps=6", "train.log_every=3",
+                 "eval.every_steps=0", "checkpoint.every_steps=0"]
+    summary, _ = launch_job(overrides, tmp_path)
+    params = sum(p.numel() for p in initial_model(make_job(overrides, tmp_path)).parameters())
+    expected = (2 - 1) / 2 * params * (4 + reduce_bytes)
+    assert summary["comm/bytes_per_step"] == expected

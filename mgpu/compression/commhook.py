@@ -23,6 +23,7 @@ from torch import nn
 from torch.futures import Future
 
 from mgpu.compression import CommHook
+from mgpu.parallel.fsdp import count_collectives
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.6 has only the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -77,11 +78,14 @@ class CommHookCompression:
         self.synced_steps = 0  # backward passes whose gradients reached the hook
         self.names: dict[int, str] = {}  # id(parameter) -> name, once registered
         self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
+        self.sharded = None  # under FSDP2: its collectives, counted (a WireCount)
 
     def comm_hook(self, model: nn.Module) -> CommHook:
         """(state, hook) for `model`'s DDP: the subclass's hook, counting the plain bytes.
-        None for a sharded model, where the compression is a wire dtype its layout applies."""
+        None for a sharded model, where the compression is a wire dtype its layout applies (its
+        collectives then counted as they run)."""
         if not hasattr(model, "register_comm_hook") and self.wire_dtype is not None:
+            self.sharded = count_collectives(model)
             return None
         if not hasattr(model, "register_comm_hook"):
             raise TypeError(f"{type(self).__name__} needs a DDP model, got {type(model).__name__}")
@@ -98,9 +102,12 @@ class CommHookCompression:
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         self.grad_scale = grad_scale
+        if self.sharded:
+            self.sharded.begin_step()
 
     def end_step(self, applied: bool) -> None:
-        pass
+        if self.sharded:
+            self.sharded.end_step()
 
     def _measured(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         self.count_bucket(bucket)
@@ -147,7 +154,10 @@ class CommHookCompression:
         self.wire_bytes += all_reduce_wire_bytes(nbytes, self.world_size)
 
     def metrics(self) -> dict[str, float]:
-        """Bytes on the wire per step and the ratio plain / actual, since the last call."""
+        """Bytes on the wire per step and the ratio plain / actual, since the last call (under
+        FSDP2, the bytes its collectives sent)."""
+        if self.sharded:
+            return self.sharded.metrics()
         figures = wire_metrics(self.wire_bytes, self.plain_bytes, self.synced_steps)
         self.wire_bytes = self.plain_bytes = 0.0
         self.synced_steps = 0

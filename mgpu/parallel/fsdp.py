@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# The collectives FSDP2 runs by default, to count what they send (`count_collectives`): torch
+# exports the hook that replaces them (FSDPModule.set_custom_all_gather), not these classes.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgpu.parallel.plan import FSDPOptions
@@ -73,3 +80,70 @@ def gradient_sync_off(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+class WireCount:
+    """Bytes this rank sends in FSDP2's all-gathers (parameters) and reduce-scatters
+    (gradients) during training steps: `comm/bytes_per_step` for a sharded model, as DDP's
+    buckets give it for a replicated one. Ring convention (`mgpu/compression/commhook.py`): a
+    collective over W ranks of a whole buffer of S bytes sends (W - 1) / W x S from each rank,
+    in the dtype it runs in (the parameter dtype, the reduce dtype)."""
+
+    def __init__(self) -> None:
+        self.training = False  # evaluation's all-gathers are no step's
+        self.wire_bytes, self.steps = 0.0, 0
+
+    def add(self, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
+        if self.training:
+            self.wire_bytes += (group.size() - 1) / group.size() * whole.nbytes
+
+    def begin_step(self) -> None:
+        self.training = True
+        self.steps += 1
+
+    def end_step(self) -> None:
+        self.training = False
+
+    def metrics(self) -> dict[str, float]:
+        """Bytes per step since the last call ({} where nothing was sent: one rank)."""
+        figures = {"comm/bytes_per_step": self.wire_bytes / self.steps} if (
+            self.steps and self.wire_bytes) else {}
+        self.wire_bytes, self.steps = 0.0, 0
+        return figures
+
+
+class CountedAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, its output (every rank's shards) counted."""
+
+    def __init__(self, count: WireCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.count.add(output_tensor, group)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class CountedReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter, its input (the whole gradients) counted."""
+
+    def __init__(self, count: WireCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.count.add(input_tensor, group)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def count_collectives(model: nn.Module) -> WireCount | None:
+    """A count of the bytes every FSDP2 unit in `model` sends, or None where there are none
+    (or this torch lets no collective be replaced: set_custom_all_gather came after 2.6)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units or not hasattr(FSDPModule, "set_custom_all_gather"):
+        return None
+    count = WireCount()
+    for unit in units:
+        unit.set_custom_all_gather(CountedAllGather(count))
+        unit.set_custom_reduce_scatter(CountedReduceScatter(count))
+    return count
