@@ -168,6 +168,29 @@ def check_checkpoint(job: Job) -> Job:
     return job
 
 
+def check_resume_shapes(job: Job, model: torch.nn.Module) -> None:
+    """The model the run builds (on the meta device, as its precision stores it) against the
+    checkpoint it will resume from, in the parent: DCP loads a tensor only into one of the
+    same shape, so a changed model size or `precision.pad_to_multiple_of` would fail in every
+    worker after launch. Every strategy and world size stores the same whole shapes."""
+    source = resume_source(job.checkpoint, str(job.resume), report=False)
+    if source is None:
+        return
+    saved = {key: tuple(meta.size) for key, meta in
+             SafeReader(source).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(meta, "size")}
+    for name, tensor in model.state_dict().items():
+        shape = saved.get(f"model.{name}")
+        if shape is not None and shape == tuple(tensor.shape):
+            continue
+        held = f"holds {name} as {list(shape)}" if shape else f"holds no {name}"
+        raise ConfigError(
+            f"resume={source}: the checkpoint {held}, this run's model has "
+            f"{list(tensor.shape)}; resume with the model and precision.pad_to_multiple_of it "
+            "was saved with (any strategy and world size can resume it), or resume=none"
+        )
+
+
 def restart_count() -> int:
     """How many times this invocation's worker group was restarted (0: its first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))

@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 import mgpu.cluster  # noqa: F401  (registers ${mgpu.allocation_endpoint:...}, experiment=slurm)
 import mgpu.rundir  # noqa: F401  (registers ${mgpu.now:...} for hydra.run.dir)
 from mgpu import support
-from mgpu.checkpoint import check_checkpoint
+from mgpu.checkpoint import check_checkpoint, check_resume_shapes
 from mgpu.errors import ConfigError
 from mgpu.options import build, conf_nodes, import_target, option_name
 
@@ -502,7 +502,7 @@ def prepare(
         job, options = options.strategy.resolve(job, options, cuda_devices, bool(torchrun_world))
 
     support.check(job, options)  # options of different groups that cannot run together
-    check_model(options)
+    model = check_model(options)
     if not options.balance.uneven:  # uneven splits check their own batch
         check_batch(job, world_sizes)
     check_fault(job)
@@ -512,8 +512,9 @@ def prepare(
         option = None if group == "model" else getattr(options, group)
         if hasattr(option, "validate"):
             option.validate(job, options)
-    job = check_switch(job, torchrun_world is not None)
-    return check_checkpoint(job), options
+    job = check_checkpoint(check_switch(job, torchrun_world is not None))
+    check_resume_shapes(job, model)
+    return job, options
 
 
 def check_switch(job: Job, under_torchrun: bool) -> Job:
@@ -559,12 +560,14 @@ def strategy_node(to: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"switch.to={{{given}}}: {e}") from None
 
 
-def check_model(options: Options) -> None:
+def check_model(options: Options) -> torch.nn.Module:
     """The model's own checks (sizes that do not fit each other or the data) in the parent,
-    by building it on the meta device, where no memory is allocated and no weight computed."""
+    by building it on the meta device, where no memory is allocated and no weight computed.
+    Returns it as the run stores it (its precision's padding), for the checkpoint check."""
     data = options.data
     with torch.device("meta"):
-        options.model(input_shape=data.input_shape, num_classes=data.num_classes)
+        model = options.model(input_shape=data.input_shape, num_classes=data.num_classes)
+        return options.precision.prepare(model)
 
 
 def resolve_tracking_uri(uri: str | None) -> str:

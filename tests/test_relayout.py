@@ -19,10 +19,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, step_dir
+from mgpu.checkpoint import Checkpointer, SafeReader, WeightsOnlyLoadPlanner, step_dir
+from mgpu.config import CheckpointConf, Options
+from mgpu.runtime import Runtime
 from mgpu.task.train import Train
 from mgpu.trainer import Trainer
-from tests.conftest import launch_job
+from tests.conftest import assert_refused, launch_job, make_job
 from tests.test_ddp import assert_weights_close
 from tests.test_text import TEXT
 
@@ -150,3 +152,28 @@ def test_tensor_parallel_peers_draw_the_same_dropout_masks_after_a_ddp_checkpoin
     resume_as(MLP, saved, "tp2", tmp_path)
     assert_replicas_draw_alike(tmp_path)
     assert "random streams" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_of_other_shapes_is_refused_before_launch(tmp_path):
+    """DCP loads a tensor only into one of the same shape: a checkpoint of another model size,
+    or stored with other padding, is refused in the parent, in one line, not by every worker."""
+    root = tmp_path / "checkpoints"
+    job = make_job([], tmp_path / "saved")
+    model = Options.of(job.groups()).model(input_shape=(64,), num_classes=10)
+    cfg = CheckpointConf(dir=str(root), every_steps=4, keep_last=1, async_save=False)
+    checkpointer = Checkpointer(cfg, "auto", Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
+    partial = root / f"step_00000004.partial.{checkpointer.token}"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=partial, no_dist=True)
+    checkpointer.commit(partial, 4)
+    checkpointer.close()
+    for layout in LAYOUTS.values():  # any strategy and world size may resume it
+        make_job([*layout, f"checkpoint.dir={root}"], tmp_path / "run")
+    line = assert_refused(["precision.pad_to_multiple_of=8", f"checkpoint.dir={root}"],
+                          f"resume={root / 'step_00000004'}: the checkpoint holds head.weight "
+                          "as [10, 256], this run's model has [16, 256]; resume with the model "
+                          "and precision.pad_to_multiple_of it was saved with", tmp_path / "run")
+    assert line.endswith("or resume=none")
+    assert_refused(["model.hidden=[128,128]", f"checkpoint.dir={root}"],
+                   "holds layers.0.0.weight as [256, 64], this run's model has [128, 64]",
+                   tmp_path / "run")
