@@ -547,12 +547,17 @@ def check_switch(job: Job, under_torchrun: bool) -> Job:
 def strategy_node(to: dict[str, Any]) -> dict[str, Any]:
     """`switch.to` ({name: <option of conf/strategy>, its keys...}) as a checked strategy node."""
     given = ",".join(f"{key}:{value}" for key, value in to.items())
-    choices = conf_nodes("strategy")
+    options = conf_nodes("strategy")
+    # A planner (strategy=auto) picks its layout in the parent, before any launch.
+    layouts = {n: node for n, node in options.items() if not getattr(build(node), "planned", 0)}
     name = to.get("name")
-    if name not in choices:
+    if name in options and name not in layouts:
+        raise ConfigError(f"switch.to={{{given}}}: strategy={name} picks a layout before "
+                          "launch, not mid-run; name the layout to switch to, e.g. {name:fsdp}")
+    if name not in layouts:
         raise ConfigError(f"switch.to={{{given}}}: name must be a strategy option: "
-                          f"{', '.join(choices)}")
-    node = choices[name]
+                          f"{', '.join(layouts)}")
+    node = layouts[name]
     node.update({key: value for key, value in to.items() if key != "name"})
     try:
         return check_group("strategy", node)

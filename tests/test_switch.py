@@ -62,6 +62,8 @@ def test_a_switched_run_is_one_mlflow_run_with_one_loss_curve(cli, tmp_path):
      "switch.to={name:zero3}: name must be a strategy option: ddp, fsdp"),
     (["switch.to={name:fsdp,shard:2}", "switch.when.at_step=4"],
      "switch.to={name:fsdp,shard:2}: strategy.shard: unknown key"),
-], ids=["support rule", "world size", "step", "name", "key"])
+    (["switch.to=auto", "switch.when.at_step=4"],
+     "switch.to={name:auto}: strategy=auto picks a layout before launch, not mid-run"),
+], ids=["support rule", "world size", "step", "name", "key", "auto"])
 def test_a_switch_the_rules_forbid_is_refused_before_launch(overrides, message, tmp_path):
     assert_refused(["train.steps=10", *overrides], message, tmp_path)
