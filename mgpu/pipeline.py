@@ -7,18 +7,15 @@ import copy
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ConfigError
@@ -26,10 +23,35 @@ from mgpu.loss import cross_entropy
 from mgpu.monitor.timing import clock_for
 from mgpu.precision.padding import unpad_state_dict
 
+
+@dataclass(frozen=True)
+class Schedule:
+    """A torch.distributed.pipelining schedule as `strategy.schedule` names it."""
+
+    #: Its class in torch.distributed.pipelining, and the first torch release that has it.
+    torch_class: str
+    since: str
+    #: Model stages each pipeline rank holds.
+    per_rank: int = 1
+    #: How stages sit on ranks: "loop" (stage s on rank s % p) or "v" (rank r holds stages r
+    #: and 2p-1-r, so the first and the last stage share rank 0).
+    placement: str = "loop"
+    #: torch's rule for its micro-batches beyond one per rank: "rounds" (a multiple of
+    #: max(1, m // p) rounds), "stages" (at least as many as stages).
+    microbatch_rule: str = ""
+    #: Backward split in two (zero bubble): input gradients first, weight gradients later.
+    split_backward: bool = False
+
+
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "gpipe": Schedule("ScheduleGPipe", "2.4"),
+    "1f1b": Schedule("Schedule1F1B", "2.4"),
+    "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", "2.4", 2, microbatch_rule="rounds"),
+    "looped_bfs": Schedule("ScheduleLoopedBFS", "2.4", 2),
+    "interleaved_zb": Schedule("ScheduleInterleavedZeroBubble", "2.5", 2,
+                               microbatch_rule="rounds", split_backward=True),
+    "zbv": Schedule("ScheduleZBVZeroBubble", "2.6", 2, "v", "stages", split_backward=True),
+    "dualpipev": Schedule("ScheduleDualPipeV", "2.9", 2, "v", "stages", split_backward=True),
 }
 # Most dims of the logits `predict` hands every rank: (batch, classes) or (batch, tokens, vocab).
 MAX_DIMS = 4
@@ -39,22 +61,68 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 
 def stages_per_rank(schedule: str) -> int:
-    """Interleaved 1F1B loops two model chunks through every rank; the others hold one."""
-    return 2 if schedule == "interleaved_1f1b" else 1
+    """Model stages each rank holds under `schedule`: two for the looped and V schedules."""
+    return SCHEDULES[schedule].per_rank
+
+
+def stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
+    """The stages pipeline rank `rank` of `ranks` holds under `schedule`, in model order."""
+    spec = SCHEDULES[schedule]
+    if spec.placement == "v":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(spec.per_rank)]
+
+
+def schedule_class(schedule: str, available: object = pipelining) -> type:
+    """`schedule`'s torch class, looked up in `available` (this torch's pipelining module); a
+    ConfigError naming the torch that first has it where this one does not."""
+    spec = SCHEDULES[schedule]
+    cls = getattr(available, spec.torch_class, None)
+    if cls is None:
+        raise ConfigError(
+            f"strategy.schedule={schedule}: needs torch >= {spec.since} "
+            f"(torch.distributed.pipelining.{spec.torch_class}), this is torch "
+            f"{torch.__version__}; use another schedule or a newer torch"
+        )
+    return cls
 
 
 def check_pipeline(
-    global_batch: int, schedule: str, microbatches: int, pp: int, dp: int
+    global_batch: int, schedule: str, microbatches: int, pp: int, dp: int, sharded: bool = False
 ) -> None:
-    """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch);
-    those it puts on other groups are in `mgpu.support`."""
+    """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch),
+    its stages `sharded` by FSDP2 or not; those it puts on other groups are in
+    `mgpu.support`."""
     local_batch = global_batch // dp
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
+    schedule_class(schedule)
+    spec = SCHEDULES[schedule]
+    if sharded and spec.split_backward:
+        raise ConfigError(
+            f"strategy.schedule={schedule}: strategy=hybrid shards each stage with FSDP2, whose "
+            f"gradients torch's split backward (input gradients now, weight gradients later) "
+            f"leaves wrong (torch {torch.__version__}, against one process); with "
+            f"strategy=hybrid use gpipe, 1f1b, interleaved_1f1b or looped_bfs, or strategy=pp"
+        )
     if microbatches < pp:
         raise ConfigError(
             f"strategy.microbatches={microbatches}: must be >= the {pp} pipeline stages, "
             f"or ranks sit idle; use strategy.microbatches={pp} or more"
+        )
+    stages = pp * spec.per_rank
+    if spec.microbatch_rule == "stages" and microbatches < stages:
+        raise ConfigError(
+            f"strategy.microbatches={microbatches}: strategy.schedule={schedule} needs one per "
+            f"stage, {stages} ({spec.per_rank} on each of the {pp} pipeline ranks); use "
+            f"strategy.microbatches={stages} or more"
+        )
+    rounds = max(1, microbatches // pp)
+    if spec.microbatch_rule == "rounds" and microbatches % rounds:
+        raise ConfigError(
+            f"strategy.microbatches={microbatches}: strategy.schedule={schedule} runs them in "
+            f"{rounds} rounds over the {pp} pipeline ranks and needs a multiple of {rounds}; "
+            f"use a multiple of {pp}"
         )
     if local_batch % microbatches:
         raise ConfigError(
@@ -97,18 +165,20 @@ class Pipeline:
         self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.schedule_name = schedule
         per_rank = stages_per_rank(schedule)
         self.num_stages = self.size * per_rank
         # Weights both ends hold: the first and the last stage (one stage holds it once).
         self.tied = model.tied_parameters() if self.num_stages > 1 else ()
-        # Looped placement: stage s lives on pipeline rank s % size.
-        self.stage_ids = [self.rank + k * self.size for k in range(per_rank)]
+        self.stage_ids = stage_ids(schedule, self.rank, self.size)
+        # Where each stage lives: looped (stage s on rank s % size) or in a V.
+        self.stage_rank = {s: r for r in range(self.size)
+                           for s in stage_ids(schedule, r, self.size)}
         self.modules = Stages(
             prepare_stage(copy.deepcopy(model).pipeline_stage(s, self.num_stages).to(device))
             for s in self.stage_ids
         )
-        cls = SCHEDULES[schedule]
-        self.schedule_class = cls
+        self.schedule_class = schedule_class(schedule)
         # Set for each step: the factor the loss is multiplied by before the schedule's
         # backward (amp's loss scale; None: not scaled), and the number the step's micro-batch
         # mean is divided by (the trainer's train.grad_accum micro-batches per optimizer step).
@@ -150,6 +220,10 @@ class Pipeline:
         for stage in stages:
             stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "forward")
             stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "backward")
+            # Zero-bubble schedules run the weights' gradient apart, later (torch >= 2.5).
+            if hasattr(stage, "backward_weight_one_chunk"):
+                stage.backward_weight_one_chunk = self.timed(stage.backward_weight_one_chunk,
+                                                             "weight")
         no_scaling = {"scale_grads": False} if scales_grads(self.schedule_class) else {}
         self.schedule = self.schedule_class(
             stages if len(stages) > 1 else stages[0], n_microbatches=self.microbatches,
@@ -169,13 +243,14 @@ class Pipeline:
         with torch.no_grad():
             for module, s in zip(self.modules, self.stage_ids, strict=True):
                 module.eval()
-                if s > 0 and self.size > 1:  # one rank holds every stage: passed on in place
-                    hidden = self.receive((s - 1) % self.size)
+                # Where this rank holds the stage before too (one rank, a V), passed in place.
+                if s > 0 and self.stage_rank[s - 1] != self.rank:
+                    hidden = self.receive(self.stage_rank[s - 1])
                 output = module(hidden)
                 examples.append((like(hidden, requires_grad=s > 0),
                                  like(output, requires_grad=True)))
-                if s < self.num_stages - 1 and self.size > 1:
-                    self.send(output, (s + 1) % self.size)
+                if s < self.num_stages - 1 and self.stage_rank[s + 1] != self.rank:
+                    self.send(output, self.stage_rank[s + 1])
                 hidden = output
         for module, mode in zip(self.modules, modes, strict=True):
             module.train(mode)
@@ -200,8 +275,14 @@ class Pipeline:
         return run
 
     @property
+    def holds_last(self) -> bool:
+        """This rank holds the last stage (the loss): the last rank, or rank 0 in a V."""
+        return self.stage_rank[self.num_stages - 1] == self.rank
+
+    @property
     def last_rank(self) -> int:
-        return dist.get_global_rank(self.group, self.size - 1)
+        """Global rank of the last stage's holder."""
+        return dist.get_global_rank(self.group, self.stage_rank[self.num_stages - 1])
 
     def scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch: the schedule runs backward from it itself,
@@ -242,7 +323,7 @@ class Pipeline:
             self.divide_gradients()
             self.add_tied_gradients()
         self.steps.append((start, self.clock.mark()))
-        last = self.rank == self.size - 1
+        last = self.holds_last
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
         if divisor != 1:
             loss = loss * divisor  # the micro-batches' mean loss, undivided
@@ -261,18 +342,18 @@ class Pipeline:
         """
         hidden = inputs
         for module, s in zip(self.modules, self.stage_ids, strict=True):
-            if s > 0:
-                hidden = self.receive((s - 1) % self.size)
+            if s > 0 and self.stage_rank[s - 1] != self.rank:  # else: this rank's last output
+                hidden = self.receive(self.stage_rank[s - 1])
             hidden = module(hidden)
-            if s < self.num_stages - 1:
-                self.send(hidden, (s + 1) % self.size)
+            if s < self.num_stages - 1 and self.stage_rank[s + 1] != self.rank:
+                self.send(hidden, self.stage_rank[s + 1])
         # The shape first (a class per sample, or one per token): the other ranks allocate it.
         shape = torch.zeros(1 + MAX_DIMS, dtype=torch.long, device=self.device)
-        if self.rank == self.size - 1:
+        if self.holds_last:
             logits = hidden.float().contiguous()  # a padded head's output is a strided slice
             shape[: 1 + logits.dim()] = torch.tensor([logits.dim(), *logits.shape])
         dist.broadcast(shape, src=self.last_rank, group=self.group)
-        if self.rank != self.size - 1:
+        if not self.holds_last:
             dims = int(shape[0])
             logits = torch.empty(shape[1 : 1 + dims].tolist(), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
@@ -300,15 +381,15 @@ class Pipeline:
         held = {s: module for s, module in stages if s in (first, last)}
         for name in self.tied:
             grads = {s: local_gradient(module, name) for s, module in held.items()}
-            if len(grads) == 2:  # both ends on this rank (one pipeline rank, interleaved)
+            if len(grads) == 2:  # both ends on this rank (one pipeline rank, or a V)
                 grads[first].add_(grads[last])
                 grads[last].copy_(grads[first])
             elif first in grads:
-                self.send(grads[first], to=self.size - 1)
-                grads[first].add_(self.receive(self.size - 1))
+                self.send(grads[first], to=self.stage_rank[last])
+                grads[first].add_(self.receive(self.stage_rank[last]))
             elif last in grads:
-                own, theirs = grads[last], self.receive(0)
-                self.send(own, to=0)
+                own, theirs = grads[last], self.receive(self.stage_rank[first])
+                self.send(own, to=self.stage_rank[first])
                 own.copy_(theirs.add_(own))
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
@@ -381,8 +462,20 @@ class Pipeline:
         self, state: dict[str, Any], template: dict[str, Any], at: int
     ) -> dict[str, Any]:
         """`state` (keyed as `own_names` gives) keyed again as `template`, a state dict of this
-        rank's stages, to load into them."""
-        return {key: state[without_part(key, at)] for key in template}
+        rank's stages, to load into them.
+
+        Where one rank holds both copies of a tied weight (a V schedule's first and last stage)
+        both keys read one value: each gets a tensor of its own, since the optimizer keeps the
+        tensors it loads, and two parameters sharing one momentum buffer would update it twice
+        a step."""
+        staged, used = {}, set()
+        for key in template:
+            value = state[without_part(key, at)]
+            if isinstance(value, torch.Tensor) and id(value) in used:
+                value = value.clone()
+            used.add(id(value))
+            staged[key] = value
+        return staged
 
 
 def like(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -50,8 +50,10 @@ from mgpu.matrix import (
     render,
 )
 from mgpu.options import build
+from mgpu.pipeline import SCHEDULES
 from mgpu.precision.padding import WRAPPER_NAMES
 from mgpu.runtime import init_runtime, shutdown
+from mgpu.support import AXES, GRAD_ACCUM_KEY, Option
 from mgpu.trainer import Trainer
 from tests.conftest import ROOT, assert_refused, make_job
 from tests.oracle import (
@@ -89,6 +91,31 @@ OPTIONS = axis_options()
 RUNS = {cell_name(row): row for row in covering_rows(OPTIONS)}
 REFUSED = refused_rows(OPTIONS)
 
+#: Every pipeline schedule but the covering rows' own (1f1b), each on one pp row of gpt on text
+#: (the tied embedding the first and the last stage share sits twice on rank 0 in a V), fp32
+#: and bf16 by turns, in a shorter run (resumed runs redo steps 5..6). The schedule is not an
+#: axis of the support matrix: these rows come on top of the covering ones.
+SCHEDULE_ROW = {"strategy": "strategy=pp", "compression": "compression=none",
+                "balance": "balance=none", "model": "model=gpt", "data": "data=text",
+                "grad_accum": f"{GRAD_ACCUM_KEY}=1"}
+SCHEDULE_RUN = ["train.steps=6", "checkpoint.every_steps=4"]
+
+
+def schedule_rows() -> dict[str, dict[str, Option]]:
+    """name → row: each schedule but 1f1b on SCHEDULE_ROW, fp32 and bf16 by turns."""
+    by_name = {o.name: o for options in OPTIONS.values() for o in options}
+    others = [schedule for schedule in SCHEDULES if schedule != "1f1b"]
+    rows = {}
+    for turn, schedule in enumerate(others):
+        names = {**SCHEDULE_ROW, "precision": ("precision=fp32", "precision=bf16")[turn % 2]}
+        row = {axis: by_name[names[axis]] for axis in AXES}
+        row["schedule"] = Option("schedule", f"strategy.schedule={schedule}", None)
+        rows[f"{cell_name(row)}-{schedule}"] = row
+    return rows
+
+
+RUNS.update(schedule_rows())
+
 
 #: Where a balance splits the batch by speed and several ranks share it: the last rank three
 #: times slower, so the shares become uneven within the run and the reference weighs them.
@@ -104,7 +131,12 @@ def cell_overrides(row) -> list[str]:
     straggler = [f"{STRAGGLER}[{','.join(['1.0'] * (ranks - 1) + ['3.0'])}]"]
     # A pipeline's last stage slowed too: the simulation must reach each stage's compute.
     slowed = uneven or row["strategy"].declares("pipelined")
-    return [*overrides(row), *RUN, *short, *(straggler if slowed else [])]
+    schedule = [o.name for axis, o in row.items() if axis not in AXES]  # a schedule row's
+    run = RUN
+    if schedule:  # its shorter run in place of RUN's lengths
+        lengths = {o.partition("=")[0] for o in SCHEDULE_RUN}
+        run = [o for o in RUN if o.partition("=")[0] not in lengths] + SCHEDULE_RUN
+    return [*overrides(row), *run, *short, *(straggler if slowed else []), *schedule]
 
 
 # ---- the matrix itself -----------------------------------------------------------------------
@@ -205,7 +237,8 @@ def train_cell(job: Job, runtime) -> dict:
     """The real training loop, checked after every step; what the test compares afterwards."""
     trainer = Trainer.build(job, runtime, None)
     # The reference computes the steps again from what each rank read.
-    recorder = Recorder(trainer.batches, STEPS - trainer.start_step, job.train.grad_accum)
+    steps, checkpoint_at = job.train.steps, job.checkpoint.every_steps
+    recorder = Recorder(trainer.batches, steps - trainer.start_step, job.train.grad_accum)
     trainer.batches = recorder
     losses: dict[int, float] = {}
     samples_taken: dict[int, int] = {}
@@ -222,7 +255,7 @@ def train_cell(job: Job, runtime) -> dict:
         samples_taken[step] = samples
         if not replicas_agree(trainer):
             diverged.append(step)
-        if step == CHECKPOINT_AT:
+        if step == checkpoint_at:
             parts = stateful_parts(trainer)
         return loss_sum, samples
 
@@ -358,16 +391,17 @@ def launch_cells(world_size: int, selected: set[str], tmp_path_factory) -> dict:
     }
 
 
-def world_size_of(name: str, tmp_path_factory) -> int:
-    job = make_job(cell_overrides(RUNS[name]), tmp_path_factory.mktemp("compose"))
-    return job.launch.world_size
+def composed(name: str, tmp_path_factory) -> Job:
+    return make_job(cell_overrides(RUNS[name]), tmp_path_factory.mktemp("compose"))
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", RUNS)
 def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path_factory):
-    world_size = world_size_of(name, tmp_path_factory)
+    job = composed(name, tmp_path_factory)
+    world_size, steps, checkpoint_at = (job.launch.world_size, job.train.steps,
+                                        job.checkpoint.every_steps)
     records = matrix_results(world_size)[name]
     balance = RUNS[name]["balance"]
     deterministic = balance.declares("deterministic")
@@ -377,14 +411,14 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
         assert resumed["error"] is None, resumed["error"]
         # Uninterrupted run: replicas in step, loss finite, predictions agree.
         assert first["diverged"] == [] and resumed["diverged"] == []
-        losses = [first["losses"][step] for step in range(1, STEPS + 1)]
+        losses = [first["losses"][step] for step in range(1, steps + 1)]
         assert all(math.isfinite(loss) for loss in losses), losses
         assert first["probe_agrees"] and resumed["probe_agrees"]
-        # Killed after the checkpoint at step 6, restarted: every stateful part comes back as
-        # it was saved, and the run redoes steps 7..10 exactly.
-        assert resumed["start"] == CHECKPOINT_AT
+        # Killed after the checkpoint (step 6; 4 on a schedule row), restarted: every stateful
+        # part comes back as it was saved, and the run redoes the steps after it exactly.
+        assert resumed["start"] == checkpoint_at
         assert_same_tree(resumed["parts"], first["parts"])
-        redone = range(CHECKPOINT_AT + 1, STEPS + 1)
+        redone = range(checkpoint_at + 1, steps + 1)
         again = [resumed["losses"][step] for step in redone]
         before = [first["losses"][step] for step in redone]
         assert first["state"].keys() == resumed["state"].keys()
@@ -399,7 +433,7 @@ def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path
         assert all(d["forward"] == d["backward"] == 0 for d in delays[:-1]), delays
     # The loss over the global batch falls (one rank's share of it is too small to tell).
     losses = [global_loss([records[0, r] for r in range(world_size)], step)
-              for step in range(1, STEPS + 1)]
+              for step in range(1, steps + 1)]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     if not deterministic:
         assert_resumed_within_rounding(name, records, world_size, tmp_path_factory)
@@ -414,13 +448,14 @@ def assert_resumed_within_rounding(name: str, records: dict, world_size: int,
     resumed run is held to the reference of steps 1..6 as the first run read them and 7..10
     as it read them itself, within the cell's bound (`tests.oracle.tolerance`)."""
     job = make_job(cell_overrides(RUNS[name]), tmp_path_factory.mktemp("resumed"))
+    checkpoint_at = job.checkpoint.every_steps
     firsts = [records[0, rank] for rank in range(world_size)]
     bound = tolerance(job, replica_batches(firsts))
     again, before = (global_loss([records[attempt, r] for r in range(world_size)],
-                                 CHECKPOINT_AT + 1) for attempt in (1, 0))
+                                 checkpoint_at + 1) for attempt in (1, 0))
     assert abs(again - before) <= bound * abs(before), (again, before)
     resumed = replica_batches([records[1, rank] for rank in range(world_size)])
-    spliced = [mine[:CHECKPOINT_AT] + later
+    spliced = [mine[:checkpoint_at] + later
                for mine, later in zip(replica_batches(firsts), resumed, strict=True)]
     ref = reference(job, spliced, firsts[0]["buckets"])
     error = relative_error(records[1, 0]["weights"], ref.initial, ref.final)
@@ -451,7 +486,7 @@ def test_supported_combination_matches_its_reference(name, matrix_results, tmp_p
     the same math (`tests.oracle`), from the micro-batches each data-parallel rank read: the
     update may differ by rounding only, within the bound the cell's dtypes give. Rows under
     amp skip and grow the scale; rows with a straggler split unevenly."""
-    world_size = world_size_of(name, tmp_path_factory)
+    world_size = composed(name, tmp_path_factory).launch.world_size
     records = matrix_results(world_size)[name]
     firsts = [records[0, rank] for rank in range(world_size)]
     assert all(first["error"] is None for first in firsts), firsts[0]["error"]

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 
 import pytest
 import torch
+from torch.distributed import pipelining
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from mgpu.errors import ConfigError
 from mgpu.model.gpt import GPT as GPTModel
 from mgpu.options import build
 from mgpu.parallel import recompute_activations
+from mgpu.pipeline import SCHEDULES, schedule_class, stage_ids, stages_per_rank
 from tests.conftest import assert_refused, make_job, train_on_this_rank
 from tests.test_ddp import SGD, assert_weights_close
 
@@ -77,10 +82,87 @@ def test_dp_tp_pp_at_once_matches_single(launched):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_pipeline_schedule_matches_single(launched, schedule):
-    """2 ranks, 2 stages (4 for interleaved 1F1B), 4 micro-batches."""
+    """2 ranks, 2 stages (4 for the looped and V schedules: in a V the first and the last
+    stage, which share the tied embedding, both sit on rank 0), 4 micro-batches."""
     assert_matches_single(launched, "strategy=pp", f"strategy.schedule={schedule}")
+
+
+@pytest.mark.dist
+def test_looped_schedule_under_hybrid_matches_single(launched):
+    """dp=2 x pp=2 with looped BFS: each rank's two stages, each sharded by FSDP2."""
+    assert_matches_single(launched, "strategy=hybrid", "strategy.dp=2", "strategy.pp=2",
+                          "strategy.schedule=looped_bfs")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_stages_sit_where_torch_schedules_expect_them(schedule, ranks):
+    """Each rank builds the stages torch's own placement for the schedule gives it (looped:
+    stage s on rank s % p; V: rank r holds r and 2p-1-r)."""
+    per_rank = stages_per_rank(schedule)
+    style = SCHEDULES[schedule].placement
+    expected = generate_stage_to_rank_mapping(ranks, ranks * per_rank, style=style)
+    placed = {s: r for r in range(ranks) for s in stage_ids(schedule, r, ranks)}
+    assert placed == expected
+    if style == "v":
+        assert placed[0] == placed[2 * ranks - 1] == 0
+
+
+#: What torch 2.6's torch.distributed.pipelining offers of the schedules' classes.
+TORCH_2_6 = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+             "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+
+
+def test_a_schedule_this_torch_lacks_is_one_config_error():
+    older = types.SimpleNamespace(**{name: getattr(pipelining, name) for name in TORCH_2_6})
+    assert schedule_class("zbv", older) is pipelining.ScheduleZBVZeroBubble
+    with pytest.raises(ConfigError) as error:
+        schedule_class("dualpipev", older)
+    assert str(error.value) == (
+        "strategy.schedule=dualpipev: needs torch >= 2.9 "
+        "(torch.distributed.pipelining.ScheduleDualPipeV), this is torch "
+        f"{torch.__version__}; use another schedule or a newer torch")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=pp", "strategy.schedule=dualpipev", "strategy.microbatches=2"],
+         "strategy.microbatches=2: strategy.schedule=dualpipev needs one per stage, 4 (2 on "
+         "each of the 2 pipeline ranks); use strategy.microbatches=4 or more"),
+        (["strategy=hybrid", "strategy.dp=2", "strategy.pp=2", "strategy.schedule=zbv",
+          "strategy.microbatches=2"],
+         "strategy.schedule=zbv: strategy=hybrid shards each stage with FSDP2, whose gradients "
+         "torch's split backward (input gradients now, weight gradients later) leaves wrong "
+         f"(torch {torch.__version__}, against one process); with strategy=hybrid use gpipe, "
+         "1f1b, interleaved_1f1b or looped_bfs, or strategy=pp"),
+        (["strategy=pp", "strategy.schedule=interleaved_zb", "strategy.microbatches=5",
+          "data.batch_size=60"],
+         "strategy.microbatches=5: strategy.schedule=interleaved_zb runs them in 2 rounds over "
+         "the 2 pipeline ranks and needs a multiple of 2; use a multiple of 2"),
+        (["strategy=pp", "strategy.schedule=interleaved_1f1b", "strategy.microbatches=9",
+          "launch.nproc_per_node=4", "data.batch_size=72"],
+         "strategy.microbatches=9: strategy.schedule=interleaved_1f1b runs them in 2 rounds "
+         "over the 4 pipeline ranks and needs a multiple of 2; use a multiple of 4"),
+        (["strategy=pp", "strategy.schedule=zbv", "model.layers=3"],
+         "strategy.schedule=zbv: 2 stages on each of the 2 pipeline ranks make 4, more than "
+         "model.layers=3; use a schedule of one stage per rank (gpipe, 1f1b) or at most 1 "
+         "pipeline ranks"),
+        (["strategy=hybrid", "strategy.pp=4", "strategy.schedule=looped_bfs",
+          "model.layers=6", "launch.nproc_per_node=4"],
+         "strategy.schedule=looped_bfs: 2 stages on each of the 4 pipeline ranks make 8, more "
+         "than model.layers=6; use a schedule of one stage per rank (gpipe, 1f1b) or at most 3 "
+         "pipeline ranks"),
+    ],
+    ids=["dualpipev-microbatches", "hybrid-zbv", "interleaved_zb-rounds",
+         "interleaved_1f1b-rounds", "zbv-blocks", "hybrid-looped_bfs-blocks"],
+)
+def test_a_schedule_refuses_what_it_cannot_run_in_one_exact_line(overrides, message, tmp_path):
+    """Checked in the parent before launch: micro-batches against the schedule's stages or
+    rounds, stages against the model's blocks; the whole line, keys and fix."""
+    assert assert_refused(["model=gpt", *overrides], message, tmp_path) == message
 
 
 # (start, end) perf_counter marks of this process's stage computations and schedule steps.
@@ -193,7 +275,7 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
         (["strategy=pp", "model=gpt", "strategy.microbatches=6"],
          "strategy.microbatches=6: must divide the batch of 64"),
         (["strategy=pp", "model=gpt", "strategy.schedule=zb"], "strategy.schedule=zb: use one of"),
-        (["strategy=pp", "model=gpt", "model.layers=3", "strategy.schedule=interleaved_1f1b"],
+        (["strategy=pp", "model=gpt", "model.layers=3", "launch.nproc_per_node=4"],
          "strategy pp=4: more pipeline stages than model.layers=3"),
         (["strategy=hybrid", "model=gpt", "strategy.dp=2", "strategy.tp=2",
           "launch.nproc_per_node=2"],

@@ -70,15 +70,16 @@ class StepClock:
         # Running sums since the start; readers keep their own last copy and take differences.
         self.sums = {"steps": 0, "samples": 0, "busy_s": 0.0, "wait_s": 0.0}
         self.busy_s: list[float] = []  # every resolved step's busy seconds
-        # A pipeline's stage computes (micro-batch forwards, backwards) followed by a delay.
-        self.stage_delays = {"forward": 0, "backward": 0}
+        # A pipeline's stage computes (micro-batch forwards, backwards, a zero-bubble schedule's
+        # weight gradients) followed by a delay.
+        self.stage_delays = {"forward": 0, "backward": 0, "weight": 0}
 
     def attach(self, model: nn.Module) -> None:
         """Install the hooks: output → straggler delay (a pipeline's stages: each stage's
-        compute → its delay); every parameter → gradient-ready stamp."""
+        compute → its delay and, after a backward, a gradient-ready stamp); every parameter →
+        gradient-ready stamp."""
         if isinstance(model, Stages):
-            if self.straggler.active:
-                model.after_compute.append(self._on_stage_compute)
+            model.after_compute.append(self._on_stage_compute)
         else:
             inner = getattr(model, "module", model)  # DDP's forward hooks: on the inner module
             inner.register_forward_hook(self._on_forward)
@@ -114,7 +115,13 @@ class StepClock:
 
     def _on_stage_compute(self, kind: str, start: object, end: object) -> None:
         """A pipeline stage's forward or backward of one micro-batch took start → end: wait
-        (f - 1) times as long, the step's jitter with the first of them."""
+        (f - 1) times as long, the step's jitter with the first of them. A backward's end is a
+        gradient-ready stamp too: a zero-bubble schedule's weight pass sets the gradients
+        itself (autograd.grad), which fires no post-accumulate-grad hook."""
+        if kind != "forward":
+            self.ready = end
+        if not self.straggler.active:
+            return
         seconds = self.clock.seconds(start, end)  # on CUDA: waits for the stage's kernels
         if self.delayed:
             delay = (self.straggler.factor - 1.0) * seconds

@@ -27,13 +27,32 @@ class Model(Protocol):
         """The model's repeated units, in order."""
 
 
+class PipelineStages(int):
+    """A pipeline's number of stages, which remembers the settings that made it (`ranks` ranks
+    holding `per_rank` stages each under `schedule`), so that a model refusing that many stages
+    names the keys the user set, not a count the schedule derived."""
+
+    def __new__(cls, ranks: int, per_rank: int = 1, schedule: str = "") -> PipelineStages:
+        stages = super().__new__(cls, ranks * per_rank)
+        stages.ranks, stages.per_rank, stages.schedule = ranks, per_rank, schedule
+        return stages
+
+
 def check_pipeline_blocks(stages: int, blocks: int, what: str) -> None:
     """ConfigError where `stages` pipeline stages would leave a stage without a block; `what`
     names the setting that counts the blocks ("model.layers=3")."""
-    if stages > blocks:
+    if stages <= blocks:
+        return
+    per_rank = getattr(stages, "per_rank", 1)
+    if per_rank > 1:
         raise ConfigError(
-            f"strategy pp={stages}: more pipeline stages than {what}; use pp <= {blocks}"
+            f"strategy.schedule={stages.schedule}: {per_rank} stages on each of the "
+            f"{stages.ranks} pipeline ranks make {int(stages)}, more than {what}; use a schedule "
+            f"of one stage per rank (gpipe, 1f1b) or at most {blocks // per_rank} pipeline ranks"
         )
+    raise ConfigError(
+        f"strategy pp={stages}: more pipeline stages than {what}; use pp <= {blocks}"
+    )
 
 
 def keep_stage_blocks(blocks: nn.ModuleDict, stage: int, stages: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mgpu.model import PipelineStages
 from mgpu.options import import_target
 from mgpu.pipeline import check_pipeline, stages_per_rank
 
@@ -48,7 +49,8 @@ class FSDPOptions:
 class PipelineOptions:
     """The model cut into stages along the pp dim, driven by a pipelining schedule."""
 
-    #: gpipe | 1f1b | interleaved_1f1b (two model chunks per rank).
+    #: A key of `mgpu.pipeline.SCHEDULES`: gpipe | 1f1b (one stage per rank) | interleaved_1f1b |
+    #: looped_bfs | interleaved_zb (two stages per rank, looped) | zbv | dualpipev (two, in a V).
     schedule: str = "1f1b"
     #: Micro-batches per step.
     microbatches: int = 4
@@ -110,8 +112,9 @@ class ParallelPlan:
         stages = 1
         if self.pipeline is not None:
             schedule, microbatches = self.pipeline.schedule, self.pipeline.microbatches
-            check_pipeline(data.batch_size, schedule, microbatches, self.pp, self.dp)
-            stages = self.pp * stages_per_rank(schedule)
+            check_pipeline(data.batch_size, schedule, microbatches, self.pp, self.dp,
+                           self.shards)
+            stages = PipelineStages(self.pp, stages_per_rank(schedule), schedule)
         if self.tp > 1 or stages > 1:
             import_target(model_node["_target_"]).check_parallel(
                 model_node, tp=self.tp, pp=stages, sequence_parallel=self.sequence_parallel,
