@@ -12,6 +12,7 @@ layers, checkpointing then wraps the block, and FSDP2 shards last, on the same m
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -87,11 +88,23 @@ def parallelize_stage(
     return part
 
 
+def sequential_redistribute_warning(record: logging.LogRecord) -> bool:
+    """Whether a log record is not DTensor's "While redistributing from ... N sequential
+    ... operations will be performed. This is suboptimal" warning."""
+    return not str(record.msg).startswith("While redistributing from")
+
+
 def split_blocks(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
     """Apply the model's tensor-parallel plan to each of its blocks over the 1-D `mesh`.
 
     With sequence parallelism the stream stays split along the sequence from the first block
     to the last (of this pipeline stage, under pp), so only those two convert it."""
+    # FSDP2 over TP (hybrid) stores each weight as (_StridedShard, Shard): gathering it whole
+    # (saving model.pt) takes two sequential all-gathers, which DTensor reports on the console
+    # of every rank. It is this layout's cost, not something a user can change: not shown.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    if sequential_redistribute_warning not in redistribute_log.filters:
+        redistribute_log.addFilter(sequential_redistribute_warning)
     blocks = model.blocks()
     for block in blocks:
         parallelize_module(block, mesh, model.tp_plan(sequence_parallel))
