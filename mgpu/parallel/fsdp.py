@@ -14,10 +14,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 # The collectives FSDP2 runs by default, to count what they send (`count_collectives`): torch
 # exports the hook that replaces them (FSDPModule.set_custom_all_gather), not these classes.
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
+# Older torch (2.6) has neither, and its FSDP2 runs log no comm/bytes_per_step.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    COUNTABLE = hasattr(FSDPModule, "set_custom_all_gather")
+except ImportError:
+    DefaultAllGather = DefaultReduceScatter = object
+    COUNTABLE = False
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgpu.parallel.plan import FSDPOptions
@@ -140,7 +147,7 @@ def count_collectives(model: nn.Module) -> WireCount | None:
     """A count of the bytes every FSDP2 unit in `model` sends, or None where there are none
     (or this torch lets no collective be replaced: set_custom_all_gather came after 2.6)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units or not hasattr(FSDPModule, "set_custom_all_gather"):
+    if not units or not COUNTABLE:
         return None
     count = WireCount()
     for unit in units:
