@@ -36,6 +36,7 @@ leaf (`pack`), which DCP writes as bytes and loads whole, whatever the template 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -58,6 +59,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -440,10 +442,14 @@ class Checkpointer:
                                      planner=first_rank_keeps_replicas())
             self.pending = self.finisher.submit(self._finish, written, partial, step)
         else:
-            dcp.save(state, checkpoint_id=partial, process_group=self.group,
-                     planner=first_rank_keeps_replicas())
-            if self.runtime.is_main:
-                self.commit(partial, step)
+            try:
+                dcp.save(state, checkpoint_id=partial, process_group=self.group,
+                         planner=first_rank_keeps_replicas())
+            except (CheckpointException, OSError) as e:
+                self.skip_if_disk_full(e, partial, step)
+            else:
+                if self.runtime.is_main:
+                    self.commit(partial, step)
         self.blocked_s.append(time.perf_counter() - started)
         return {"checkpoint/save_s": self.blocked_s[-1]}
 
@@ -453,9 +459,32 @@ class Checkpointer:
 
     def _finish(self, written: Future, partial: Path, step: int) -> None:
         """Background: wait for the async write (all ranks' shards), then commit on rank 0."""
-        written.result()
+        try:
+            written.result()
+        except (CheckpointException, OSError) as e:
+            self.skip_if_disk_full(e, partial, step)
+            return
         if self.runtime.is_main:
             self.commit(partial, step)
+
+    def skip_if_disk_full(self, error: BaseException, partial: Path, step: int) -> None:
+        """A save that found the disk full (or over quota) is skipped; any other error raises.
+
+        The run goes on rather than stopping: a full disk is outside the run, the weights in
+        memory are sound and the earlier checkpoints stay intact, so a stop would throw away
+        every step since the last save, and a restart would find the same full disk. The
+        partial folder is removed (it would fill the disk further and is never loaded), and
+        one warning line per skipped save says why. DCP raises the failure on every rank, so
+        all of them skip the same save; rank 0, which commits, also removes the folder.
+        """
+        reason = disk_full(error)
+        if reason is None:
+            raise error
+        if self.runtime.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            log.warning("checkpoint step %d not saved, the run goes on without it: %s; its "
+                        "partial folder was removed, earlier checkpoints are kept; free space "
+                        "under checkpoint.dir=%s", step, reason.replace("\n", " "), self.root)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and committed."""
@@ -477,7 +506,11 @@ class Checkpointer:
                  for p in sorted(partial.iterdir()) if p.is_file()}
         record = {"step": step, "world_size": self.runtime.world_size, "layout": self.layout,
                   "run_id": self.run_id, "files": files}
-        write_file_durably(partial / MANIFEST, json.dumps(record, indent=1))
+        try:
+            write_file_durably(partial / MANIFEST, json.dumps(record, indent=1))
+        except OSError as e:
+            self.skip_if_disk_full(e, partial, step)
+            return
         final = step_dir(self.root, step)
         if final.exists():  # a broken checkpoint that resume skipped: keep it, out of the way
             final.rename(final.with_name(f"{final.name}.skipped.{self.token}"))
@@ -547,6 +580,27 @@ class Checkpointer:
         """Let go of the finisher thread without waiting: on a failure its save may never end
         (a peer is gone); the normal path has waited for it already (`wait`)."""
         self.finisher.shutdown(wait=False, cancel_futures=True)
+
+
+def disk_full(error: BaseException) -> str | None:
+    """Why a save failed, in one line, where the disk is full (or over quota); else None.
+
+    DCP wraps each rank's failure in one `CheckpointException` raised on every rank. A file
+    DCP writes itself fails with `OSError(ENOSPC)`; a tensor shard goes through torch.save's
+    zip writer, which reports the short write as a RuntimeError ("unexpected pos") instead.
+    """
+    if isinstance(error, OSError):
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{os.strerror(error.errno)} ({error.filename or error})"
+        return None
+    if isinstance(error, RuntimeError) and "unexpected pos" in str(error):
+        return f"{os.strerror(errno.ENOSPC)} (a shard was written short: {error})"
+    if isinstance(error, CheckpointException):
+        for failure, _ in error.failures.values():
+            reason = disk_full(failure)
+            if reason is not None:
+                return reason
+    return None
 
 
 def missing_shards(partial: Path) -> list[str]:

@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,50 @@ def test_commit_refuses_a_checkpoint_missing_a_rank_s_shard(tmp_path):
         checkpointer.commit(partial, 10)
     checkpointer.close()
     assert committed(root) == [] and partial.is_dir()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size (bytes) mounted under `tmp_path`, unmounted afterwards; skipped
+    where this process may not mount one."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        path = tmp_path / "disk"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.dist
+def test_a_save_that_fills_the_disk_is_skipped_and_the_run_goes_on(
+    uninterrupted, small_disk, tmp_path
+):
+    """checkpoint.dir on a tmpfs with room for one checkpoint and a half: step 10 commits,
+    steps 20 and 30 run out of space while writing (a real ENOSPC from the filesystem). Each
+    is skipped with one warning and its partial folder removed; step 10 stays intact and the
+    run trains to its end."""
+    saved, _, _ = uninterrupted
+    one = sum(p.stat().st_size for p in (saved / "step_00000010").iterdir())
+    root = small_disk(one * 3 // 2) / "checkpoints"
+    run = tmp_path / "run"
+    summary, _ = launch_job([*CKPT, "checkpoint.keep_last=1", f"checkpoint.dir={root}"], run)
+    assert summary["step"] == 30
+    log = (run / "logs" / "rank0.log").read_text()
+    skipped = [line for line in log.splitlines() if "not saved" in line]
+    assert len(skipped) == 2, log
+    for line, step in zip(skipped, (20, 30), strict=True):
+        expected = f"checkpoint step {step} not saved, the run goes on without it: No space"
+        assert expected in line, line
+        assert "its partial folder was removed, earlier checkpoints are kept" in line
+    assert [p.name for p in root.iterdir()] == ["step_00000010"]
+    assert problem(root / "step_00000010") is None
+
