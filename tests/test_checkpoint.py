@@ -370,3 +370,24 @@ def test_a_save_that_fills_the_disk_is_skipped_and_the_run_goes_on(
     assert [p.name for p in root.iterdir()] == ["step_00000010"]
     assert problem(root / "step_00000010") is None
 
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_missing_metadata_file_is_skipped_by_auto_and_refused_by_name(tmp_path, caplog):
+    """DCP's `.metadata` gone from the newest checkpoint: resume=auto takes the one before it
+    and says why in one line; resume=<that folder> is one error naming the file; nothing is
+    deleted."""
+    root = tmp_path / "checkpoints"
+    commit_checkpoints(root, [10, 20])
+    (root / "step_00000020" / ".metadata").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+        assert newest_valid(root) == root / "step_00000010"
+    assert caplog.messages == [f"checkpoint {root / 'step_00000020'} is corrupt or truncated "
+                               "(.metadata is missing): skipped"]
+    job = make_job(["resume=none"], tmp_path / "a")
+    job = dataclasses.replace(job, resume=str(root / "step_00000020"))
+    with pytest.raises(ConfigError, match=r"^resume=\S+step_00000020: not a valid checkpoint "
+                       r"\(.metadata is missing\); give another \(older\) step_\* folder, "):
+        check_checkpoint(job)
+    assert [p.name for p in committed(root)] == ["step_00000020", "step_00000010"]
+    assert problem(root / "step_00000010") is None
