@@ -49,6 +49,10 @@ def test_a_switched_run_is_one_mlflow_run_with_one_loss_curve(cli, tmp_path):
     assert metrics["switch/at_step"] == SAVE_AT
     assert metrics["switch/bytes"] > 0 and metrics["switch/seconds"] > 0
     assert metrics["checkpoint/resumed_from_step"] == SAVE_AT
+    # The planner's error figures compare one layout's prediction with what it measured: a
+    # switched run measured two, so it logs the prediction alone.
+    assert "plan/predicted_step_seconds" in metrics
+    assert not {"plan/error_step_time", "plan/error_memory"} & metrics.keys()
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
