@@ -25,7 +25,7 @@ from mgpu.checkpoint import (
     problem,
     step_dir,
 )
-from mgpu.config import CheckpointConf
+from mgpu.config import CheckpointConf, Options
 from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
 from mgpu.runtime import Runtime
@@ -391,3 +391,28 @@ def test_a_missing_metadata_file_is_skipped_by_auto_and_refused_by_name(tmp_path
         check_checkpoint(job)
     assert [p.name for p in committed(root)] == ["step_00000020", "step_00000010"]
     assert problem(root / "step_00000010") is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_of_another_model_named_by_path_is_refused_and_left_as_it_was(tmp_path):
+    """resume=<an older step> of a checkpoint.dir saved with hidden 256, by a run with hidden
+    128: one line in the parent naming the folder, the key and both shapes; the newer
+    checkpoint is not set aside (no roll-back starts) and no file changes."""
+    root = tmp_path / "checkpoints"
+    model = Options.of(make_job([], tmp_path / "saved").groups()).model(
+        input_shape=(64,), num_classes=10)
+    cfg = CheckpointConf(dir=str(root), every_steps=4, keep_last=2, async_save=False)
+    checkpointer = Checkpointer(cfg, "auto", Runtime(0, 0, 1, 1, torch.device("cpu"), root), None)
+    for step in (4, 8):
+        partial = root / f"step_{step:08d}.partial.{checkpointer.token}"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=partial, no_dist=True)
+        checkpointer.commit(partial, step)
+    checkpointer.close()
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    named = step_dir(root, 4)
+    line = assert_refused(["model.hidden=[128,128]", f"checkpoint.dir={root}", f"resume={named}"],
+                          "", tmp_path / "run")
+    assert line.startswith(f"resume={named}: the checkpoint holds layers.0.0.weight as "
+                           "[256, 64], this run's model has [128, 64]; "), line
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "run" / "logs").exists()  # no worker started
