@@ -347,18 +347,20 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("async_save", ["false", "true"])
 def test_a_save_that_fills_the_disk_is_skipped_and_the_run_goes_on(
-    uninterrupted, small_disk, tmp_path
+    async_save, uninterrupted, small_disk, tmp_path
 ):
     """checkpoint.dir on a tmpfs with room for one checkpoint and a half: step 10 commits,
     steps 20 and 30 run out of space while writing (a real ENOSPC from the filesystem). Each
     is skipped with one warning and its partial folder removed; step 10 stays intact and the
-    run trains to its end."""
+    run trains to its end, whether the save is written in the background or not."""
     saved, _, _ = uninterrupted
     one = sum(p.stat().st_size for p in (saved / "step_00000010").iterdir())
     root = small_disk(one * 3 // 2) / "checkpoints"
     run = tmp_path / "run"
-    summary, _ = launch_job([*CKPT, "checkpoint.keep_last=1", f"checkpoint.dir={root}"], run)
+    summary, _ = launch_job([*CKPT, "checkpoint.keep_last=1", f"checkpoint.async_save={async_save}",
+                             f"checkpoint.dir={root}"], run)
     assert summary["step"] == 30
     log = (run / "logs" / "rank0.log").read_text()
     skipped = [line for line in log.splitlines() if "not saved" in line]
