@@ -177,3 +177,21 @@ def test_a_checkpoint_of_other_shapes_is_refused_before_launch(tmp_path):
     assert_refused(["model.hidden=[128,128]", f"checkpoint.dir={root}"],
                    "holds layers.0.0.weight as [256, 64], this run's model has [128, 64]",
                    tmp_path / "run")
+
+
+@pytest.mark.dist
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("compression", ["onebit", "powersgd"])
+def test_a_compression_taken_up_on_resume_starts_its_state_fresh(compression, launched_once,
+                                                                 tmp_path):
+    """A checkpoint saved without a stateful compression holds none of its state (residuals,
+    PowerSGD's memories): resumed with one, the run starts that state as a fresh run would and
+    says so, rather than every worker failing on the state it does not find."""
+    launched_once(*GPT, *LAYOUTS["ddp2"])
+    saved = step_dir(launched_once.output_dir(*GPT, *LAYOUTS["ddp2"]) / "checkpoints", SAVE_AT)
+    shutil.copytree(saved, step_dir(tmp_path / "checkpoints", SAVE_AT))
+    summary, _ = launch_job([*GPT, *LAYOUTS["ddp2"], f"compression={compression}"], tmp_path)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert f"(step {SAVE_AT}," in log
+    assert f"compression={compression}: the checkpoint holds no state of it" in log
+    assert summary["step"] == STEPS

@@ -275,6 +275,10 @@ class OneBit(CommHookCompression):
                 "server": {n: r.clone() for n, r in self.server.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        if "residuals" not in state:  # saved with another compression: start as a fresh run
+            log.info("compression=onebit: the checkpoint holds no state of it (saved with "
+                     "another compression): residuals start at zero, warm-up at step 0")
+            return
         self.step = state["step"]
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
         self.flat = {}

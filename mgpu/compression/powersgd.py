@@ -19,6 +19,7 @@ reference, and the small Q factors, updated in place, are copied.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,6 +30,8 @@ from mgpu.checkpoint import numpy_rng_loaded, numpy_rng_saved
 from mgpu.compression import CommHook
 from mgpu.compression.commhook import CommHookCompression
 from mgpu.errors import ConfigError
+
+log = logging.getLogger("mgpu.compression")
 
 
 class PowerSGD(CommHookCompression):
@@ -217,6 +220,10 @@ class PowerSGD(CommHookCompression):
 
     def load_state_dict(self, saved: dict) -> None:
         state = self._registered()
+        if "error" not in saved:  # saved with another compression: start as a fresh run
+            log.info("compression=powersgd: the checkpoint holds no state of it (saved with "
+                     "another compression): its memories start empty, at iteration 0")
+            return
         state.rng.set_state(numpy_rng_loaded(saved["rng"]))
         state.iter = saved["iter"]
         for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
