@@ -189,7 +189,8 @@ def check_resume_shapes(job: Job, model: torch.nn.Module) -> None:
         raise ConfigError(
             f"resume={source}: the checkpoint {held}, this run's model has "
             f"{list(tensor.shape)}; resume with the model and precision.pad_to_multiple_of it "
-            "was saved with (any strategy and world size can resume it), or resume=none"
+            "was saved with (any strategy and world size can resume it), or resume=none with "
+            "another checkpoint.dir"
         )
 
 

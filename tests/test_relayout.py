@@ -173,7 +173,7 @@ def test_a_checkpoint_of_other_shapes_is_refused_before_launch(tmp_path):
                           f"resume={root / 'step_00000004'}: the checkpoint holds head.weight "
                           "as [10, 256], this run's model has [16, 256]; resume with the model "
                           "and precision.pad_to_multiple_of it was saved with", tmp_path / "run")
-    assert line.endswith("or resume=none")
+    assert line.endswith("or resume=none with another checkpoint.dir")
     assert_refused(["model.hidden=[128,128]", f"checkpoint.dir={root}"],
                    "holds layers.0.0.weight as [256, 64], this run's model has [128, 64]",
                    tmp_path / "run")
