@@ -493,5 +493,7 @@ def test_a_pipeline_straggler_delays_every_stage_forward_and_backward(
         trainer.train_step()
     stages = 2 if schedule == "interleaved_1f1b" else 1
     assert ran == {"forward": 2 * 4 * stages, "backward": 2 * 4 * stages}
-    assert {kind: n - before[kind] for kind, n in clock.stage_delays.items()} == ran
+    # Neither schedule splits a weight-gradient pass off its backward (the zero-bubble ones do).
+    assert {kind: n - before[kind] for kind, n in clock.stage_delays.items()} == {**ran,
+                                                                                 "weight": 0}
     trainer.close()
