@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
-from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu.config import Job, prepare
 from mgpu.errors import ConfigError
-from mgpu.launch import launch
+from mgpu.launch import WORKER_ENV, environment, launch
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
 
@@ -63,6 +63,16 @@ def launch_job(overrides: list[str], output_dir: Path) -> tuple[dict, dict]:
     results = launch(job, run_id=None, env={})
     weights = torch.load(output_dir / "model.pt", weights_only=True)
     return results[0], weights
+
+
+def launch_ranks(function, ranks: int, run_id: str, *args) -> dict:
+    """`function(*args)` on each of `ranks` spawned gloo workers, with the environment mgpu's
+    launcher gives its workers; returns each rank's result by rank."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=run_id,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          start_method="spawn")
+    with environment(WORKER_ENV):
+        return elastic_launch(config, function)(*args)
 
 
 def train_on_this_rank(job: Job) -> tuple[dict, Trainer]:

@@ -9,16 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu.config import Job
-from mgpu.launch import WORKER_ENV, environment
 from mgpu.model.cnn import CNN
 from mgpu.model.gpt import GPT
 from mgpu.options import build
 from mgpu.pipeline import Pipeline
 from mgpu.runtime import init_runtime, shutdown
-from tests.conftest import launch_job, make_job
+from tests.conftest import launch_job, launch_ranks, make_job
 from tests.test_strategies import GPT as NARROW_GPT
 
 pytestmark = pytest.mark.timeout(600)
@@ -60,11 +58,7 @@ def exchange_on_two_stages(output_dir: str) -> dict[str, torch.Tensor | None]:
 
 @pytest.mark.dist
 def test_bf16_crosses_stages_intact_and_every_rank_gets_the_last_stage_logits(tmp_path):
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="pipeline",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          start_method="spawn")
-    with environment(WORKER_ENV):
-        results = elastic_launch(config, exchange_on_two_stages)(str(tmp_path))
+    results = launch_ranks(exchange_on_two_stages, 2, "pipeline", str(tmp_path))
     images, activation = inputs_and_activation()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         whole = narrow_gpt()(images).float()
@@ -162,11 +156,7 @@ def accumulate_on_two_stages(output_dir: str) -> dict[str, torch.Tensor]:
 def test_accumulated_pipeline_steps_give_the_mean_gradient_of_all_their_pieces(tmp_path):
     """grad_accum=2 over a 2-micro-batch pipeline: the gradient is one model's mean over the 4
     pieces, the tied embedding's on both stages too (summed once, not once per step)."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="accumulate",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          start_method="spawn")
-    with environment(WORKER_ENV):
-        results = elastic_launch(config, accumulate_on_two_stages)(str(tmp_path))
+    results = launch_ranks(accumulate_on_two_stages, 2, "accumulate", str(tmp_path))
     model = language_model()
     for tokens, labels in accumulated_batches():
         for x, y in zip(tokens.tensor_split(2), labels.tensor_split(2), strict=True):
@@ -210,11 +200,7 @@ def test_pipeline_batchnorm_statistics_count_each_micro_batch_once(tmp_path):
     training forward of each micro-batch in turn: no stage ran an extra forward (torch's shape
     inference runs one, on a real micro-batch at the first stage and on uninitialised memory
     at the others, unless the stages are given their shapes)."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="batchnorm",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          start_method="spawn")
-    with environment(WORKER_ENV):
-        results = elastic_launch(config, step_cnn_on_two_stages)(str(tmp_path))
+    results = launch_ranks(step_cnn_on_two_stages, 2, "batchnorm", str(tmp_path))
     model = small_cnn()
     images, _ = images_and_labels()
     for piece in images.tensor_split(4):

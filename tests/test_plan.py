@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 from mlflow.tracking import MlflowClient
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu.config import Job, Options, prepare
 from mgpu.meter import local_bytes, optimizer_state_bytes
@@ -17,7 +16,7 @@ from mgpu.plan import candidates, plan_job
 from mgpu.plan.machine import DEFAULT_LINKS, Machine
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
-from tests.conftest import assert_refused, compose_config, make_job, mlflow_runs
+from tests.conftest import assert_refused, compose_config, launch_ranks, make_job, mlflow_runs
 
 pytestmark = pytest.mark.timeout(900)
 ONE_STEP = ["train.steps=1", "train.warmup_steps=0", "train.log_every=1", "eval.every_steps=0",
@@ -78,22 +77,12 @@ def measure_layouts(job: Job, nodes: list[dict]) -> list[dict[str, int]]:
     return measured
 
 
-def launch_measuring(job: Job, nodes: list[dict], monkeypatch) -> dict[int, list[dict]]:
-    ranks = job.launch.world_size
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id="plan",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                          start_method="spawn", monitor_interval=0.1, max_restarts=0)
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as mgpu.launch does
-    return elastic_launch(config, measure_layouts)(job, nodes)
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize(("ranks", "model", "optim"), [
     (2, ["model=mlp"], "adamw"), (2, ["model=cnn"], "sgd"), (2, GPT, "adamw"), (4, GPT, "sgd"),
     (4, ["model=mlp", "model.hidden=[64,64,64,64]"], "adamw"),
 ], ids=["2-mlp-adamw", "2-cnn-sgd", "2-gpt-adamw", "4-gpt-sgd", "4-mlp-adamw"])
-def test_predicted_state_bytes_per_rank_match_measured(ranks, model, optim, tmp_path,
-                                                       monkeypatch):
+def test_predicted_state_bytes_per_rank_match_measured(ranks, model, optim, tmp_path):
     """Every candidate the rules allow: predicted parameter + gradient + optimizer bytes of
     each rank within 2% of what that rank holds after one real step. Candidates that place
     state alike (they differ in micro-batches, recompute, resharding or offload) are predicted
@@ -107,7 +96,8 @@ def test_predicted_state_bytes_per_rank_match_measured(ranks, model, optim, tmp_
     for same in groups.values():
         assert all(r.state_per_rank == same[0].state_per_rank for r in same), same
     chosen = [same[0] for same in groups.values()]
-    results = launch_measuring(job, [row.candidate.node for row in chosen], monkeypatch)
+    results = launch_ranks(measure_layouts, job.launch.world_size, "plan", job,
+                           [row.candidate.node for row in chosen])
     for i, row in enumerate(chosen):
         for rank in range(ranks):
             held = results[rank][i]
