@@ -39,7 +39,7 @@ def test_default_run_is_recorded_in_mlflow(cli, tmp_path):
     # DDP holds whole parameters and AdamW's two states, exactly as predicted.
     predicted = client.get_metric_history(run.info.run_id, "plan/predicted_step_seconds")
     assert predicted[0].step == 0 and predicted[0].value > 0
-    assert metrics["plan/error_memory"] == pytest.approx(0, abs=1e-3)
+    assert metrics["plan/error_state_bytes"] == pytest.approx(0, abs=1e-3)
     assert "plan/error_step_time" in metrics
     out_dir = run.data.tags["mgpu.output_dir"]
     assert f"  outputs: {out_dir} (model.pt, summary.json, logs/)" in result.stdout.splitlines()

@@ -161,7 +161,7 @@ def test_auto_with_trials_times_them_as_child_runs_and_records_its_choice(cli, t
     assert job.data.tags["strategy"] == "auto"
     for run in (job, *trials):
         for key in ("plan/predicted_step_seconds", "plan/predicted_bytes_per_rank",
-                    "plan/error_step_time", "plan/error_memory"):
+                    "plan/error_step_time", "plan/error_state_bytes"):
             assert key in run.data.metrics, (key, run.data.tags)
     table = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(
         job.info.run_id, "plan/plan.txt", str(tmp_path))

@@ -52,7 +52,7 @@ def test_a_switched_run_is_one_mlflow_run_with_one_loss_curve(cli, tmp_path):
     # The planner's error figures compare one layout's prediction with what it measured: a
     # switched run measured two, so it logs the prediction alone.
     assert "plan/predicted_step_seconds" in metrics
-    assert not {"plan/error_step_time", "plan/error_memory"} & metrics.keys()
+    assert not {"plan/error_step_time", "plan/error_state_bytes"} & metrics.keys()
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 PREDICTED_STEP = "plan/predicted_step_seconds"
 PREDICTED_BYTES = "plan/predicted_bytes_per_rank"
 ERROR_STEP = "plan/error_step_time"
-ERROR_MEMORY = "plan/error_memory"
+ERROR_STATE = "plan/error_state_bytes"
 
 
 def predict_own(job: Job, options: Options, cuda_devices: int) -> Row:
@@ -52,5 +52,5 @@ def errors(row: Row, summary: dict[str, float]) -> dict[str, float]:
     optimizer = summary.get("memory/optimizer_bytes_per_rank")
     if params:
         expected = max(m.params for m in row.ranks) + max(m.optimizer for m in row.ranks)
-        out[ERROR_MEMORY] = expected / (params + (optimizer or 0.0)) - 1
+        out[ERROR_STATE] = expected / (params + (optimizer or 0.0)) - 1
     return out
