@@ -49,6 +49,7 @@ import shutil
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -428,8 +429,12 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, trainer: Trainer, step: int) -> dict[str, float]:
+    def save(
+        self, trainer: Trainer, step: int,
+        writer: Callable[[Path], FileSystemWriter] = FileSystemWriter,
+    ) -> dict[str, float]:
         """Write the run's state at `step`; committed once every rank's shards are written.
+        `writer` makes DCP's storage writer for the folder (another one injects a fault).
 
         Returns the time training was held up (sync: the whole save; async: staging).
         """
@@ -439,12 +444,13 @@ class Checkpointer:
         self.layout = layout_of(trainer)
         state = train_state(trainer, step)
         if self.async_save:
-            written = dcp.async_save(state, checkpoint_id=partial, process_group=self.group,
+            written = dcp.async_save(state, storage_writer=writer(partial),
+                                     process_group=self.group,
                                      planner=first_rank_keeps_replicas())
             self.pending = self.finisher.submit(self._finish, written, partial, step)
         else:
             try:
-                dcp.save(state, checkpoint_id=partial, process_group=self.group,
+                dcp.save(state, storage_writer=writer(partial), process_group=self.group,
                          planner=first_rank_keeps_replicas())
             except (CheckpointException, OSError) as e:
                 self.skip_if_disk_full(e, partial, step)

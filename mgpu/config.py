@@ -42,6 +42,7 @@ GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
 )
 FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad")
+SCHEDULE_KINDS = ("sigkill", "exception", "hang", "checkpoint_sigkill")
 DIRECTIONS = ("maximize", "minimize")
 DERIVED = {"derived": True}  # field metadata: set by `prepare`, not by the user
 log = logging.getLogger(__name__)
@@ -122,6 +123,17 @@ class CheckpointConf:
 
 
 @dataclass(frozen=True)
+class FaultSchedule:
+    """Several failures over one run (chaos): restart attempt k fires the k-th, by step."""
+
+    count: int = 0  # faults, at seeded random steps and ranks; 0 = none
+    seed: int = 0  # draws each fault's step and rank
+    # Taken in turn: fault i is of kind kinds[i % len(kinds)]; checkpoint_sigkill kills its
+    # rank while it writes a checkpoint.
+    kinds: list[str] = field(default_factory=lambda: list(SCHEDULE_KINDS))
+
+
+@dataclass(frozen=True)
 class FaultConf:
     """A failure injected on purpose, for tests and demonstrations."""
 
@@ -129,6 +141,7 @@ class FaultConf:
     kill_rank: int = 0
     at_step: int = 0
     every_attempt: bool = False  # fail on restarted attempts too (a rank that always fails)
+    schedule: FaultSchedule = field(default_factory=FaultSchedule)
 
 
 @dataclass(frozen=True)
@@ -416,6 +429,45 @@ def check_fault(job: Job) -> None:
         raise ConfigError(
             f"fault.kill_rank={job.fault.kill_rank}: must be a rank in 0..{world_size - 1}"
         )
+    check_fault_schedule(job)
+
+
+def check_fault_schedule(job: Job) -> None:
+    """`fault.schedule`: each fault costs one restart of the worker group, at a step of its
+    own; a hang needs a peer whose collective times out, a checkpoint kill a checkpoint."""
+    schedule, count = job.fault.schedule, job.fault.schedule.count
+    _positive("fault.schedule.count", count, 0)
+    if count == 0:
+        return
+    if job.fault.mode:
+        raise ConfigError(f"fault.schedule.count={count} with fault.mode={job.fault.mode}: "
+                          "use one of them (fault.mode=null with a schedule)")
+    unknown = [kind for kind in schedule.kinds if kind not in SCHEDULE_KINDS]
+    if unknown or not schedule.kinds:
+        raise ConfigError(f"fault.schedule.kinds={list(schedule.kinds)}: use a list of "
+                          f"{', '.join(SCHEDULE_KINDS)}")
+    if count > job.launch.max_restarts:
+        raise ConfigError(f"fault.schedule.count={count}: each fault restarts the worker group "
+                          f"once; set launch.max_restarts >= {count} (it is "
+                          f"{job.launch.max_restarts})")
+    kinds = [schedule.kinds[i % len(schedule.kinds)] for i in range(count)]
+    if "hang" in kinds and job.launch.world_size < 2:
+        raise ConfigError("fault.schedule.kinds: a hang is caught by a peer's collective "
+                          "timeout, and one rank has none; drop hang or run >= 2 ranks")
+    if count > job.train.steps:
+        raise ConfigError(f"fault.schedule.count={count}: more faults than train.steps="
+                          f"{job.train.steps}, one step each; use fewer")
+    every = job.checkpoint.every_steps
+    saves = job.train.steps // every if every > 0 else 0
+    if kinds.count("checkpoint_sigkill") > saves:
+        raise ConfigError(
+            f"fault.schedule.kinds: {kinds.count('checkpoint_sigkill')} checkpoint_sigkill "
+            f"faults need as many checkpoints, the run saves {saves} (checkpoint.every_steps="
+            f"{every}); save more often or drop checkpoint_sigkill")
+    if job.switch.to is not None:
+        raise ConfigError(f"fault.schedule.count={count} with switch.to: the switch relaunches "
+                          "the worker group, whose restart count (which picks the fault to "
+                          "fire) starts again at 0; use one of them")
 
 
 def check_straggler(job: Job) -> None:

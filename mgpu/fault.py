@@ -1,37 +1,118 @@
-"""Fault injection for tests and demos: fail one rank at one step, on the first attempt only.
+"""Fault injection for tests, demos and the chaos bench.
 
-`nonfinite_grad` fails nothing: it puts an inf into one gradient, which the precision skips.
+`fault.mode` fails one rank at one step, on the first attempt only (`every_attempt`: on every
+one). `nonfinite_grad` fails nothing: it puts an inf into one gradient, which the precision
+skips. `fault.schedule` spreads `count` faults of mixed kinds over one run, at seeded random
+steps and ranks; restart attempt k fires the k-th (by step), so each fires once however many
+restarts came before it. `checkpoint_sigkill` kills its rank while it writes the checkpoint
+of its step: its shards are on disk, the checkpoint is never committed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
+import random
 import signal
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 
 if TYPE_CHECKING:
-    from mgpu.config import FaultConf
+    from mgpu.config import FaultConf, FaultSchedule
 
 log = logging.getLogger("mgpu.fault")
 
+#: The scheduled kind that fires inside a checkpoint save rather than at the start of a step.
+IN_CHECKPOINT = "checkpoint_sigkill"
 
-def fault_step(fault: FaultConf, rank: int) -> int | None:
-    """The step at which this rank fails, or None. Restarted attempts run clean unless
-    `every_attempt` is set."""
-    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if fault.mode and rank == fault.kill_rank and (first_attempt or fault.every_attempt):
-        return fault.at_step
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure: `mode` on rank `rank` at step `step`."""
+
+    step: int
+    rank: int
+    mode: str
+
+
+def drawn(
+    schedule: FaultSchedule, steps: int, checkpoint_every: int, world_size: int
+) -> list[Fault]:
+    """`fault.schedule`'s faults in the order they fire (by step), the same on every rank and
+    attempt: the i-th of `count` is of kind kinds[i % len(kinds)], at a step of its own drawn
+    from 1..steps (a checkpoint step for checkpoint_sigkill), on a drawn rank.
+
+    Distinct increasing steps make attempt k reach fault k: it resumes from a checkpoint
+    before fault k-1's step, which is before fault k's. The checkpoint kinds draw first, from
+    the fewer steps they may take.
+    """
+    rng = random.Random(schedule.seed)
+    kinds = [schedule.kinds[i % len(schedule.kinds)] for i in range(schedule.count)]
+    free = set(range(1, steps + 1))
+    saves = set(range(checkpoint_every, steps + 1, checkpoint_every)) if checkpoint_every else set()
+    faults = []
+    for kind in sorted(kinds, key=lambda kind: kind != IN_CHECKPOINT):
+        step = rng.choice(sorted(free & saves if kind == IN_CHECKPOINT else free))
+        free.discard(step)
+        faults.append(Fault(step, rng.randrange(world_size), kind))
+    return sorted(faults, key=lambda fault: fault.step)
+
+
+def this_attempt(
+    fault: FaultConf, steps: int, checkpoint_every: int, world_size: int, rank: int
+) -> Fault | None:
+    """The fault this rank injects in this attempt of the worker group, or None.
+
+    `fault.mode`: on the first attempt only, unless `every_attempt`. `fault.schedule`: attempt
+    k (the launcher's restart count) fires the k-th fault, so those before it, which caused
+    the k restarts so far, do not fire again.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if fault.mode:
+        if rank == fault.kill_rank and (attempt == 0 or fault.every_attempt):
+            return Fault(fault.at_step, rank, fault.mode)
+        return None
+    faults = drawn(fault.schedule, steps, checkpoint_every, world_size)
+    if attempt < len(faults) and faults[attempt].rank == rank:
+        return faults[attempt]
     return None
+
+
+def checkpoint_writer(fault: Fault | None, step: int) -> Callable[[Path], FileSystemWriter]:
+    """The storage writer of the checkpoint at `step`, given its folder: DCP's own, or one that
+    kills this rank once its shards are written, where a checkpoint_sigkill fault is due."""
+    if fault is not None and fault.mode == IN_CHECKPOINT and fault.step == step:
+        return functools.partial(KilledAfterWriting, fault=fault)
+    return FileSystemWriter
+
+
+class KilledAfterWriting(FileSystemWriter):
+    """DCP's file writer that SIGKILLs its process once this rank's shards are on disk: a rank
+    lost in the middle of a checkpoint save (no `.metadata`, never committed), while its peers
+    wait for it in the save's last collective."""
+
+    def __init__(self, path: Path, fault: Fault) -> None:
+        super().__init__(path)
+        self.fault = fault
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201  (DCP's signature)
+        written = super().write_data(plan, planner)
+        written.wait()
+        log.warning("injecting fault.mode=%s on rank %d at step %d (its shards written)",
+                    self.fault.mode, self.fault.rank, self.fault.step)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return written
 
 
 def inject(mode: str, rank: int, step: int, model: nn.Module | None = None) -> None:

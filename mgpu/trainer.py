@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mgpu import fault
 from mgpu.balance import Balance
-from mgpu.checkpoint import Checkpointer, manifest, step_dir
+from mgpu.checkpoint import Checkpointer, manifest, restart_count, step_dir
 from mgpu.compression import CommHook, Compression
 from mgpu.config import Options
 from mgpu.data.loader import EvalBatches
@@ -191,7 +191,9 @@ class Trainer:
         # The machine's contention is measured where its figures are logged: rank 0.
         other_load = OtherLoad() if self.runtime.is_main else None
         meter = StepMeter(self.global_batch, cfg.warmup_steps, self.runtime.device, other_load)
-        fail_at = fault.fault_step(self.fault_cfg, self.runtime.rank)
+        failure = fault.this_attempt(self.fault_cfg, steps, self.checkpointer.every,
+                                     self.runtime.world_size, self.runtime.rank)
+        restarts = restart_count()
         log.info("training %d steps on %d rank(s), %s", steps, self.runtime.world_size,
                  self.runtime.device)
         metrics: dict[str, float] = {}
@@ -202,10 +204,12 @@ class Trainer:
             task = bar.add_task("train", total=steps, completed=self.start_step, loss="-", rate="-")
             for step in range(self.start_step + 1, steps + 1):
                 at.step = step
-                if step == fail_at:
-                    fault.inject(self.fault_cfg.mode, self.runtime.rank, step, self.model)
+                if failure and step == failure.step and failure.mode != fault.IN_CHECKPOINT:
+                    fault.inject(failure.mode, self.runtime.rank, step, self.model)
                 loss_sum, samples = self.train_step()
                 meter.record(step, loss_sum, samples)
+                if restarts and step == self.start_step + 1:  # where a restart's recovery ends
+                    log.info("step %d done, the first after restart %d", step, restarts)
                 self.monitor.end_step(step, samples)
                 if step % log_every == 0 or step == steps:
                     with meter.stall():
@@ -221,7 +225,8 @@ class Trainer:
                     return self.stop_for_switch(step, metrics)
                 if self.checkpointer.due(step):
                     with meter.stall():
-                        self.log(self.checkpointer.save(self, step), step)
+                        writer = fault.checkpoint_writer(failure, step)
+                        self.log(self.checkpointer.save(self, step, writer), step)
         self.checkpointer.wait()
         final_eval = self.evaluate()
         self.log(final_eval, steps)

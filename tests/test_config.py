@@ -67,6 +67,16 @@ def test_auto_nproc_follows_the_strategy(tmp_path):
         (["optim.schedule=linear"], "optim.schedule=linear"),
         (["fault.mode=explode"], "fault.mode=explode"),
         (["fault.mode=exception", "fault.kill_rank=2"], "fault.kill_rank=2"),
+        (["fault.schedule.count=3", "launch.max_restarts=2"],
+         "fault.schedule.count=3: each fault restarts the worker group once; set "
+         "launch.max_restarts >= 3"),
+        (["fault.schedule.count=1", "launch.max_restarts=1", "fault.mode=sigkill"],
+         "fault.schedule.count=1 with fault.mode=sigkill: use one of them"),
+        (["fault.schedule.count=1", "launch.max_restarts=1", "fault.schedule.kinds=[oom]"],
+         "fault.schedule.kinds=['oom']: use a list of sigkill, exception, hang"),
+        (["fault.schedule.count=1", "launch.max_restarts=1", "checkpoint.every_steps=0",
+          "fault.schedule.kinds=[checkpoint_sigkill]"],
+         "1 checkpoint_sigkill faults need as many checkpoints, the run saves 0"),
         (["data.val_fraction=1.5"], "data.val_fraction=1.5"),
     ],
 )

@@ -1,13 +1,18 @@
-"""Failures end-to-end through the CLI: hangs, ranks that always fail, resumed invocations."""
+"""Failures end-to-end through the CLI: hangs, ranks that always fail, resumed invocations, a
+schedule of several faults in one run."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 
 import psutil
 import pytest
+import torch
 
+from mgpu.config import FaultSchedule
+from mgpu.fault import drawn
 from tests.conftest import QUICK, mlflow_runs
 
 pytestmark = pytest.mark.e2e
@@ -90,3 +95,50 @@ def test_later_invocation_resumes_and_continues_the_same_mlflow_run(cli, tmp_pat
     assert run.data.metrics["checkpoint/resumed_from_step"] == 20
     assert run.data.params["train.steps"] == "20"  # params stay as the run first logged them
     assert run.info.run_id in second.stdout
+
+
+def injected(output_dir) -> list[tuple[str, int, int]]:
+    """(mode, rank, step) of every fault the run's ranks logged injecting, over all attempts."""
+    found = []
+    for log in output_dir.glob("logs/rank*.log"):
+        for mode, rank, step in INJECTED.findall(log.read_text()):
+            found.append((mode, int(rank), int(step)))
+    return sorted(found, key=lambda fired: fired[2])
+
+
+INJECTED = re.compile(r"injecting fault\.mode=(\w+) on rank (\d+) at step (\d+)")
+
+
+def test_a_schedule_of_mixed_faults_fires_each_once_and_ends_bitwise_equal(cli, tmp_path):
+    """Three faults over one run, one per attempt: a rank killed while it writes a checkpoint,
+    a hang caught by the collective timeout and a SIGKILL. Each fires once, on its drawn rank
+    and step; the group restarts three times, resumes from its newest checkpoint each time and
+    ends FINISHED with the weights of the run that never failed, bitwise."""
+    every, steps = 5, 30
+    schedule = FaultSchedule(count=3, seed=1, kinds=["checkpoint_sigkill", "hang", "sigkill"])
+    common = [*QUICK, f"checkpoint.every_steps={every}"]
+    clean = cli(*common, f"hydra.run.dir={tmp_path / 'clean'}")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    chaos = cli(*common, f"fault.schedule.count={schedule.count}",
+                f"fault.schedule.seed={schedule.seed}",
+                f"fault.schedule.kinds=[{','.join(schedule.kinds)}]",
+                f"launch.max_restarts={schedule.count}", "launch.timeout_s=5",
+                f"hydra.run.dir={tmp_path / 'chaos'}")
+    assert chaos.returncode == 0, chaos.stderr[-3000:]
+    planned = drawn(schedule, steps, every, world_size=2)
+    assert sorted(fault.mode for fault in planned) == sorted(schedule.kinds)
+    assert injected(tmp_path / "chaos") == [(f.mode, f.rank, f.step) for f in planned]
+    attempts = {p.name for p in tmp_path.glob("chaos/logs/elastic/*/attempt_*")}
+    assert attempts == {"attempt_0", "attempt_1", "attempt_2", "attempt_3"}
+    resumed = re.findall(r"resumed from \S+ \(step (\d+),", (tmp_path / "chaos" / "logs" /
+                                                            "rank0.log").read_text())
+    # Drawn: a hang at step 9 (resumed from 5), a kill while writing checkpoint 10 (which is
+    # never committed: resumed from 5 again), a SIGKILL at 18 (resumed from 15).
+    assert resumed == ["5", "5", "15"]
+    assert [run.info.status for run in mlflow_runs(tmp_path)] == ["FINISHED", "FINISHED"]
+    weights = torch.load(tmp_path / "chaos" / "model.pt", weights_only=True)
+    clean_weights = torch.load(tmp_path / "clean" / "model.pt", weights_only=True)
+    assert weights.keys() == clean_weights.keys()
+    for name in clean_weights:
+        assert torch.equal(weights[name], clean_weights[name]), name
+    assert not leftover_processes(tmp_path)
