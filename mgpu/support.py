@@ -166,17 +166,19 @@ def one_comm_hook(balance: Option, compression: Option) -> str | None:
 
 
 def uneven_batches_need_local_steps(balance: Option, strategy: Option) -> str | None:
-    """An uneven split is decided from each rank's own step time, which only exists where a
-    rank's forward and backward hold no collective the other ranks take part in (FSDP2
-    all-gathers every block inside them); tp/pp ranks read the same samples, with no split
-    between them to move."""
+    """An uneven split is decided from each rank's own step time: its forward and backward less
+    its time in FSDP2's collectives, the only ones inside them whose calls can be timed (tensor-
+    and pipeline-parallel peers wait for each other inside every layer); tp/pp ranks read the
+    same samples, with no split between them to move."""
     if not balance.declares("uneven") or strategy.declares("uneven_batches"):
         return None
-    why = ("FSDP2 all-gathers every block from all ranks inside forward and backward, so no "
-           "rank's step time is its own work to split the batch by")
-    if not strategy.declares("sets_reduce_dtype"):
-        why = ("its ranks hold parts of one model replica and read the same samples, so there "
-               "is no split of the batch between them to move")
+    why = ("its ranks hold parts of one model replica and read the same samples, so there "
+           "is no split of the batch between them to move")
+    if strategy.declares("sets_reduce_dtype"):  # FSDP2 with tensor or pipeline parallelism
+        why = ("its tensor- and pipeline-parallel peers wait for each other inside every layer, "
+               "in DTensor's and the schedule's collectives, which no hook lets a clock take "
+               "out of a rank's step time, so no rank's step time is its own work to split the "
+               "batch by")
     return (f"{balance} cannot run with {strategy} ({why}); use "
             f"{alternatives('strategy', lambda s: s.declares('uneven_batches'))}, or balance=none")
 

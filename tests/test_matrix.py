@@ -173,13 +173,26 @@ def test_a_hybrid_pair_runs_where_one_shape_runs_and_other_shapes_stay_refused(t
     assert "Linear and Embedding layers only" in line
 
 
+def test_an_uneven_split_runs_on_fsdp_data_parallel_and_not_with_tensor_parallel_peers(tmp_path):
+    """hybrid x throughput is supported (hybrid dp=2 splits its batch, as fsdp does); with
+    tensor-parallel peers it is refused before launch, naming why no step time is a rank's own."""
+    from mgpu.matrix import supported_and_refused
+
+    supported, _ = supported_and_refused(OPTIONS)
+    assert {("strategy=fsdp", "balance=throughput"),
+            ("strategy=hybrid", "balance=thermal")} <= supported
+    line = assert_refused(["strategy=hybrid", "strategy.dp=2", "strategy.tp=2",
+                           "balance=throughput"],
+                          "balance=throughput cannot run with strategy=hybrid", tmp_path)
+    assert "wait for each other inside every layer" in line
+
+
 def test_each_refusal_names_the_fact_behind_it():
     """A refusal says why the pair cannot run in torch's or the machine's terms, not only that
     an option lacks a declaration."""
     facts = {
         ("strategy=tp", "compression=bf16"): "no gradient all-reduce runs",
         ("strategy=pp", "balance=throughput"): "read the same samples",
-        ("strategy=fsdp", "balance=thermal"): "FSDP2 all-gathers every block",
         ("strategy=fsdp", "compression=onebit"): "FSDP2 has no comm hook for its reduce-scatter",
         ("strategy=single", "balance=ssp"): "one process has no gradients to exchange",
         ("compression=powersgd", "balance=ssp"): "DDP takes one comm hook",

@@ -10,7 +10,11 @@ therefore stamps three moments of each step:
 - end: `end_backward()`, after the backward pass returned, i.e. after DDP waited for the peers.
 
 busy = ready - start is what the rank would take alone; wait = end - ready is time lost to
-slower peers (`time/sync_wait_s`). A simulated straggler sleeps at the start of the backward
+slower peers (`time/sync_wait_s`). Under FSDP2 every block's forward and backward gathers its
+parameters from all ranks (and its backward reduce-scatters the gradients), so a fast rank
+waits for a slow one inside them: there the time in those collectives (their calls, timed where
+they are counted: `mgpu.parallel.fsdp.WireCount`) up to `ready` moves from busy to wait, and
+busy is again the rank's own work. A simulated straggler sleeps at the start of the backward
 pass (a hook on the model's output), before any gradient is sent, so its delay is part of its
 own busy time and not of its peers' (a sleep before the forward would be, where the forward
 synchronises buffers). Under a pipeline (strategy=pp, hybrid pp > 1) the model is the list of
@@ -34,7 +38,8 @@ import time
 import torch
 from torch import nn
 
-from mgpu.monitor.timing import clock_for
+from mgpu.monitor.timing import clock_for, in_flight_s
+from mgpu.parallel.fsdp import count_collectives
 from mgpu.pipeline import Stages
 from mgpu.straggler import Straggler
 
@@ -64,8 +69,11 @@ class StepClock:
         self.clock = clock_for(device)  # the stamps the monitor's phase timer takes too
         self.cuda = device.type == "cuda"  # events are read a step late, not at once
         self.compute_s = 0.0  # last step's compute (busy minus straggler delay): the delay's basis
-        self.pending: tuple | None = None  # (start, ready, end, slept, samples) of the last step
+        # (start, ready, end, slept, samples, collective spans up to ready) of the last step
+        self.pending: tuple | None = None
         self.start = self.ready = None
+        self.collectives = None  # FSDP2's collectives, timed (a WireCount), once attached
+        self.ready_calls = 0  # collective calls made up to the last gradient-ready stamp
         self.slept, self.delayed, self.samples = 0.0, False, 0
         # Running sums since the start; readers keep their own last copy and take differences.
         self.sums = {"steps": 0, "samples": 0, "busy_s": 0.0, "wait_s": 0.0}
@@ -77,12 +85,15 @@ class StepClock:
     def attach(self, model: nn.Module) -> None:
         """Install the hooks: output → straggler delay (a pipeline's stages: each stage's
         compute → its delay and, after a backward, a gradient-ready stamp); every parameter →
-        gradient-ready stamp."""
+        gradient-ready stamp; FSDP2's collectives → timed, as time that is not the rank's own."""
         if isinstance(model, Stages):
             model.after_compute.append(self._on_stage_compute)
         else:
             inner = getattr(model, "module", model)  # DDP's forward hooks: on the inner module
             inner.register_forward_hook(self._on_forward)
+            self.collectives = count_collectives(model)  # FSDP2's, where the model has them
+            if self.collectives:
+                self.collectives.marks = self.clock
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -90,10 +101,14 @@ class StepClock:
     def start_step(self, samples: int) -> None:
         """A step over `samples` samples (this rank's share) begins."""
         self._resolve()
+        if self.collectives:  # those since the last step's ready stamp (evaluation's) are no step's
+            self.collectives.spans = []
+        self.ready_calls = 0
         self.start, self.slept, self.delayed, self.samples = self.clock.mark(), 0.0, False, samples
 
     def end_backward(self) -> None:
-        self.pending = (self.start, self.ready, self.clock.mark(), self.slept, self.samples)
+        spans = self.collectives.spans[: self.ready_calls] if self.collectives else []
+        self.pending = (self.start, self.ready, self.clock.mark(), self.slept, self.samples, spans)
         if not self.cuda:
             self._resolve()
 
@@ -134,17 +149,20 @@ class StepClock:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self.ready = self.clock.mark()
+        if self.collectives:
+            self.ready_calls = len(self.collectives.spans)
 
     def _resolve(self) -> None:
         """Turn the last step's stamps into its busy and wait times."""
         if self.pending is None:
             return
-        start, ready, end, slept, samples = self.pending
+        start, ready, end, slept, samples, before = self.pending
         self.pending = None
-        busy = self.clock.seconds(start, ready)
+        waited = in_flight_s(before, self.clock.seconds)  # in FSDP2's collectives
+        busy = self.clock.seconds(start, ready) - waited
         self.compute_s = max(0.0, busy - slept)
         self.sums["steps"] += 1
         self.sums["samples"] += samples
         self.sums["busy_s"] += busy
         self.busy_s.append(busy)
-        self.sums["wait_s"] += self.clock.seconds(ready, end)
+        self.sums["wait_s"] += self.clock.seconds(ready, end) + waited

@@ -99,6 +99,21 @@ class WireCount:
     def __init__(self) -> None:
         self.training = False  # evaluation's all-gathers are no step's
         self.wire_bytes, self.steps = 0.0, 0
+        # Once a balance's step clock asks (`StepClock.attach`): its marks, and the (start, end)
+        # marks of every call since it last took them. A rank waits for its peers inside these
+        # calls, so their time is not its own work.
+        self.marks = None
+        self.spans: list[tuple[object, object]] = []
+
+    def timed(self, call, *args: object) -> object:
+        """`call(*args)`, its span kept where a clock asks: on CPU the host's time in the
+        (blocking) gloo call, on CUDA the collective's own time on the stream it runs on."""
+        if self.marks is None:
+            return call(*args)
+        start = self.marks.mark()
+        result = call(*args)
+        self.spans.append((start, self.marks.mark()))
+        return result
 
     def add(self, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
         if self.training:
@@ -128,7 +143,7 @@ class CountedAllGather(DefaultAllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.count.add(output_tensor, group)
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        return self.count.timed(super().__call__, output_tensor, input_tensor, group, async_op)
 
 
 class CountedReduceScatter(DefaultReduceScatter):
@@ -140,17 +155,23 @@ class CountedReduceScatter(DefaultReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.count.add(input_tensor, group)
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        return self.count.timed(super().__call__, output_tensor, input_tensor, group, op,
+                                async_op)
 
 
 def count_collectives(model: nn.Module) -> WireCount | None:
-    """A count of the bytes every FSDP2 unit in `model` sends, or None where there are none
-    (or this torch lets no collective be replaced: set_custom_all_gather came after 2.6)."""
+    """The count of the bytes every FSDP2 unit in `model` sends, or None where there are none
+    (or this torch lets no collective be replaced: set_custom_all_gather came after 2.6). One
+    per model, installed at the first call: the compression counts its bytes, a balance's
+    step clock times its calls."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units or not COUNTABLE:
         return None
-    count = WireCount()
-    for unit in units:
-        unit.set_custom_all_gather(CountedAllGather(count))
-        unit.set_custom_reduce_scatter(CountedReduceScatter(count))
+    count = getattr(model, "_wire_count", None)
+    if count is None:
+        count = WireCount()
+        for unit in units:
+            unit.set_custom_all_gather(CountedAllGather(count))
+            unit.set_custom_reduce_scatter(CountedReduceScatter(count))
+        model._wire_count = count
     return count

@@ -75,7 +75,8 @@ class Strategy(ABC):
     #: The model is cut into pipeline stages whose schedule runs forward and backward itself.
     pipelined: bool
     #: Ranks may take unequal shares of the global batch, and a rank's forward and backward
-    #: hold no collective, so its step time is its own work (what balance options split by).
+    #: hold no collective but FSDP2's (whose calls the balance clock times and takes out), so
+    #: its step time is its own work (what balance options split by).
     uneven_batches: bool
     #: Model methods the strategy splits the model with (`mgpu.support.MODEL_PLANS`).
     model_plans: tuple[str, ...]

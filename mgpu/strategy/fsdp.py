@@ -18,7 +18,8 @@ class FSDP(Strategy):
     shards_optimizer = True
     sets_reduce_dtype = True  # FSDP2's reduce_dtype: fp16/bf16 on the wire
     pipelined = False
-    uneven_batches = False  # every block's forward and backward gathers from all ranks
+    # A rank's step time less its time in FSDP2's collectives is its own work (balance clock).
+    uneven_batches = True
     model_plans = ()
 
     def __init__(

@@ -23,7 +23,6 @@ class Hybrid(Strategy):
     supports_comm_hook = False
     shards_optimizer = True
     sets_reduce_dtype = True  # FSDP2's reduce_dtype: fp16/bf16 on the wire
-    uneven_batches = False  # FSDP gathers inside forward and backward
 
     def __init__(
         self,
@@ -55,6 +54,12 @@ class Hybrid(Strategy):
     @property
     def replicates_params(self) -> bool:
         return self.tp == 1 and self.pp == 1 and self.dp_shard == 1
+
+    @property
+    def uneven_batches(self) -> bool:
+        """Data parallel alone: each rank's own work is its step less FSDP2's collectives
+        (balance clock); tp and pp peers of one replica wait for each other inside every layer."""
+        return self.tp == 1 and self.pp == 1
 
     @property
     def pipelined(self) -> bool:
