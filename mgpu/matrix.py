@@ -41,8 +41,9 @@ DECLARATIONS = {
     "strategy": ("replicates_params", "supports_comm_hook", "shards_optimizer", "pipelined",
                  "uneven_batches", "model_plans", "sets_reduce_dtype"),
     "precision": ("loss_scaling",),
-    "compression": ("needs_comm_hook", "stateful", "exact", "wire_dtype"),
-    "balance": ("uneven", "needs_comm_hook", "stateful", "exact", "deterministic"),
+    "compression": ("needs_comm_hook", "stateful", "exact", "wire_dtype", "overlaps_steps"),
+    "balance": ("uneven", "needs_comm_hook", "carries_compression", "stateful", "exact",
+                "deterministic"),
     "model": ("batch_statistics", "language_model"),
     "data": ("next_token",),
 }

@@ -149,20 +149,27 @@ def balance_needs_a_comm_hook(balance: Option, strategy: Option) -> str | None:
 
 
 def one_comm_hook(balance: Option, compression: Option) -> str | None:
-    """DDP takes one comm hook (register_comm_hook): a balance and a compression cannot both
-    install theirs, except a compression that is only a wire dtype, which a balance that
-    carries one sends its own collectives in (as torch's fp16/bf16_compress_wrapper wraps a
-    hook)."""
+    """DDP takes one comm hook (register_comm_hook): where a balance and a compression both
+    need theirs, the balance's must carry the compression (send in its wire dtype, or run its
+    hook, as torch's fp16/bf16_compress_wrapper wraps a hook), and a balance that keeps
+    exchanges in flight across steps (ssp) needs a compression whose exchanges may overlap
+    (torch's powerSGD_hook updates its per-bucket memories in place while they run)."""
     if not (balance.declares("needs_comm_hook") and compression.declares("needs_comm_hook")):
         return None
-    carries = balance.declares("carries_wire_dtype")
-    if carries and compression.declares("wire_dtype"):
+    carries = balance.declares("carries_compression")
+    if carries and compression.declares("overlaps_steps"):
         return None
     plain = alternatives("compression", lambda c: not c.declares("needs_comm_hook")
-                         or bool(carries and c.declares("wire_dtype")))
-    return (f"{balance} cannot run with {compression} (DDP takes one comm hook, and each "
-            f"installs its own: {compression} compresses in its hook, which no other hook can "
-            f"wrap); use {plain} with {balance}, or balance=none")
+                         or bool(carries and c.declares("overlaps_steps")))
+    why = (f"DDP takes one comm hook, and each installs its own: {compression} compresses in "
+           f"its hook, which {balance}'s cannot carry")
+    if carries:
+        why = (f"DDP takes one comm hook, and {balance}'s keeps each step's exchange in flight "
+               f"while the next ones run, but {compression}'s hook updates its state of a "
+               f"bucket in place while that bucket's all-reduces run (torch's powerSGD_hook: "
+               f"its error and Q memories), so overlapping steps would overwrite each other's")
+    return (f"{balance} cannot run with {compression} ({why}); use {plain} with {balance}, or "
+            f"balance=none")
 
 
 def uneven_batches_need_local_steps(balance: Option, strategy: Option) -> str | None:

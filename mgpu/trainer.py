@@ -135,13 +135,13 @@ class Trainer:
         balance.attach(model, data_runtime, data.batch_size, job.train.grad_accum,
                        job.straggler, job.seed)
         # DDP takes one comm hook: at most one option owns it (a compression other than none,
-        # or balance=ssp; mgpu.support refuses both, except a wire dtype that ssp's hook sends
-        # in). It is registered here and nowhere else, timed where the monitor times
-        # communication (only a DDP model takes a hook).
+        # or balance=ssp; where both have one, ssp's hook carries the compression's: sends in
+        # its wire dtype or runs its hook). It is registered here and nowhere else, timed where
+        # the monitor times communication (only a DDP model takes a hook).
         compression_hook = compression.comm_hook(model)
-        balance_hook = balance.comm_hook(model, compression)
-        if balance_hook is not None and balance.carries_wire_dtype and compression.wire_dtype:
-            compression_hook = None  # the balance's hook sends in the compression's dtype
+        balance_hook = balance.comm_hook(model, compression, compression_hook)
+        if balance_hook is not None and balance.carries_compression:
+            compression_hook = None  # the balance's hook carries it
         hook = one_comm_hook(compression_hook, balance_hook)
         if isinstance(model, DistributedDataParallel):
             hook = monitor.timed(hook)

@@ -20,7 +20,12 @@ cell's options state:
   compressing are averaged plainly (with error feedback too); Q warm-starts from the last step
   (plain all-reduce before `start_powerSGD_iter`);
 - ssp: the averaged gradients of step t - s are applied at step t, each unscaled by the loss
-  scale it was computed under;
+  scale it was computed under. With onebit, step t's messages are formed from the gradient
+  plus the error memory as it is at step t; when step t's average is applied (at step t + s)
+  the memory becomes what they missed, or, where that step is skipped, the memory they were
+  formed with (their input was never applied): s + 1 interleaved error-feedback sequences.
+  Every rank applies the mean of the messages at any world size (no second compression by
+  chunk owners);
 - amp: the loss is scaled before backward and the gradients unscaled before the step; a step
   with inf/NaN gradients is skipped and the scale set to `backoff` times the smaller of the
   current scale and the one the gradients carried; `growth_interval` clean steps in a row
@@ -216,9 +221,12 @@ class Rule:
         self.queue: dict[int, tuple[Grads, float]] = {}  # ssp: step -> (averaged, its scale)
         self.skipped: list[int] = []
         self.growths = 0
-        # Error memories per rank (unscaled), and what they become if the step applies.
+        # Steps between a step's exchange and the step that applies its average.
+        self.delay = self.balance.staleness if isinstance(self.balance, StaleSynchronous) else 0
+        # Error memories per rank (unscaled), and by step what they become once the average of
+        # that step's exchange is applied or skipped: (what it missed, what it was formed with).
         self.errors = [[torch.zeros_like(p) for p in params.values()] for _ in range(world_size)]
-        self.pending: list[Grads] | None = None
+        self.pending: dict[int, tuple[list[Grads], list[Grads]]] = {}
         # onebit's server side (W > 2): (parameter index, chunk) -> error memory (unscaled)
         self.server_errors: dict[tuple[int, int], torch.Tensor] = {}
         self.server_pending: dict[tuple[int, int], torch.Tensor] = {}
@@ -259,8 +267,9 @@ class Rule:
         inputs = [[g + e * self.scale for g, e in zip(rank, errors, strict=True)]
                   for rank, errors in zip(grads, self.errors, strict=True)]
         applied, sent = send(inputs)
-        self.pending = [[(x - s) / self.scale for x, s in zip(rank, sent_rank, strict=True)]
-                        for rank, sent_rank in zip(inputs, sent, strict=True)]
+        missed = [[(x - s) / self.scale for x, s in zip(rank, sent_rank, strict=True)]
+                  for rank, sent_rank in zip(inputs, sent, strict=True)]
+        self.pending[self.synced] = (missed, self.errors)
         return applied
 
     def onebit(self, inputs: list[Grads]) -> tuple[Grads, list[Grads]]:
@@ -269,7 +278,7 @@ class Rule:
         signs = [[torch.where(x >= 0, x.abs().mean(), -x.abs().mean()) for x in rank]
                  for rank in inputs]
         means = [torch.stack(ranks).mean(dim=0) for ranks in zip(*signs, strict=True)]
-        if self.world_size <= 2:
+        if self.world_size <= 2 or self.delay:
             return means, signs
         return [self.server_side(i, mean) for i, mean in enumerate(means)], signs
 
@@ -315,13 +324,18 @@ class Rule:
             self.growths += 1
 
     def end_step(self, applied: bool) -> None:
-        if self.pending is not None and applied:
-            self.errors = self.pending
-            self.server_errors.update(self.server_pending)
+        """The memories become what the exchange whose average this step applied (its own, or
+        under ssp the one `delay` steps older) missed if the step applied; else those it was
+        formed with."""
+        pending = self.pending.pop(self.synced - 1 - self.delay, None)
+        if pending is not None:
+            missed, used = pending
+            self.errors = missed if applied else used
+            if applied:
+                self.server_errors.update(self.server_pending)
         self.server_pending = {}
         if self.powersgd:
             self.powersgd.end_step(applied)
-        self.pending = None
 
 
 class PowerSGDReference:

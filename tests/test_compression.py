@@ -103,6 +103,33 @@ def test_error_feedback_loses_nothing_across_steps_and_rebucketing(one_rank_grou
     assert set(compression.state_dict()["residuals"]) == set(compression.true_sum)
 
 
+@pytest.mark.dist
+def test_error_feedback_loses_nothing_when_applied_steps_later(one_rank_group):
+    """Under ssp (s = 2) a step's exchange is applied two steps later, and what its message
+    missed becomes the residual only then: over k steps, what was sent + the residual + what
+    the two exchanges in flight missed == the sum of true gradients (three interleaved
+    error-feedback sequences, none of which loses anything), across DDP's re-bucketing."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), bucket_cap_mb=0.002)
+    compression = RecordingOneBit()
+    model.register_comm_hook(*compression.comm_hook(model))
+    compression.applied_after(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(8):
+        loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+        loss.backward()
+        optimizer.step()
+        compression.end_step(applied=True)
+        optimizer.zero_grad()
+    in_flight = compression.state_dict()["pending"]
+    assert sorted(in_flight) == [6, 7]
+    for name, true in compression.true_sum.items():
+        missed = sum(new for kept in in_flight.values() for _, n, new, _ in kept if n == name)
+        kept = compression.sent_sum[name] + compression.residuals[name] + missed.view_as(true)
+        torch.testing.assert_close(kept, true, rtol=0, atol=1e-5, msg=name)
+
+
 def error_memory_after(option: str, steps: int, overrides: list[str], tmp_path) -> torch.Tensor:
     """A one-process DDP run with `option`: its error memories after `steps` steps."""
     settings, kinds = MEMORIES[option]

@@ -25,9 +25,10 @@ class Balance(Protocol):
     measures: bool
     #: It works through a DDP comm hook (the strategy must take one, and nothing else install one).
     needs_comm_hook: bool
-    #: Its comm hook sends gradients in a compression's wire dtype (fp16/bf16), so such a
-    #: compression runs with it instead of installing a hook of its own.
-    carries_wire_dtype: bool
+    #: Its comm hook carries a compression's: sends gradients in its wire dtype (fp16/bf16),
+    #: or runs its hook's exchange in place of its own all-reduce (where the compression
+    #: `overlaps_steps`), so the compression installs no hook of its own.
+    carries_compression: bool
     #: It learns from step to step (measured rates, a split, gradients in flight): checkpointed.
     stateful: bool
     #: Each step applies that step's averaged gradients (not older ones).
@@ -49,10 +50,12 @@ class Balance(Protocol):
         `grad_accum` micro-batches: the step clock's hooks (and the simulated `straggler`),
         where it runs."""
 
-    def comm_hook(self, model: nn.Module, compression: object = None) -> CommHook | None:
+    def comm_hook(self, model: nn.Module, compression: object = None,
+                  compression_hook: CommHook | None = None) -> CommHook | None:
         """After `attach`: the DDP comm hook this option works through, or None (most options);
-        `Trainer.build` registers it. Where the option `carries_wire_dtype`, its hook sends in
-        `compression`'s wire dtype and counts its bytes there."""
+        `Trainer.build` registers it. Where the option `carries_compression`, its hook sends in
+        `compression`'s wire dtype and counts its bytes there, or runs `compression_hook` (the
+        compression's own) for each bucket."""
 
     def batches(self, dataset: Dataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches, endless."""

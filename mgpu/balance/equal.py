@@ -30,7 +30,7 @@ class EqualSplit:
     uneven = False
     measures = False  # whether the option needs the step clock even without a straggler
     needs_comm_hook = False
-    carries_wire_dtype = False
+    carries_compression = False
     stateful = False
     exact = True
     deterministic = True
@@ -58,7 +58,8 @@ class EqualSplit:
             self.clock.attach(model)
             self.logged = self.clock.totals()
 
-    def comm_hook(self, model: nn.Module, compression: object = None) -> CommHook | None:
+    def comm_hook(self, model: nn.Module, compression: object = None,
+                  compression_hook: CommHook | None = None) -> CommHook | None:
         """None: the split changes what each rank computes, not how gradients travel."""
         return None
 

@@ -26,6 +26,14 @@ so until the stale step uses it, when it is decompressed to the bucket's dtype; 
 counts the bytes (in the wire dtype) as its own hook would. Checkpoints hold the queued
 gradients in the wire dtype.
 
+With a compression that is a comm hook of its own (onebit), each step's bucket is copied (DDP
+reuses its buffer for the next step) and handed to the compression's hook, whose exchange then
+stands where the all-reduce would; the step that applies it is s steps later, and the
+compression keeps what it learned from that exchange (onebit's error feedback: what the message
+missed) only then, and only if that step's update is applied (`Compression.applied_after`). So a
+step's message is formed with the error feedback of the exchanges already applied, and s = 0
+is the compression alone.
+
 Same data and split as `none`; the metrics add `balance/ahead_steps`: how many of its earlier
 steps' all-reduces a rank found not yet completed when it finished a backward pass, the mean
 since the last log point, the largest over ranks. An all-reduce completes once every rank has
@@ -66,10 +74,13 @@ class StaleGradients:
     """DDP comm hook state: the in-flight all-reduces of the last `staleness` + 1 steps."""
 
     def __init__(self, staleness: int, world_size: int, names: dict[int, str],
-                 device: torch.device, wire: object = None) -> None:
+                 device: torch.device, wire: object = None,
+                 compression_hook: "CommHook | None" = None) -> None:
         self.staleness, self.world_size, self.device = staleness, world_size, device
         # A compression whose wire dtype the gradients cross in, and which counts the bytes.
         self.wire = wire
+        # A compression's own (state, hook), which exchanges each step's bucket in its place.
+        self.compression_hook = compression_hook
         self.names = names  # id(parameter) -> name
         self.step = 0  # synchronising backward passes seen so far
         # step → {parameter name: (future, averaged bucket, the parameter's view of it)}
@@ -80,15 +91,19 @@ class StaleGradients:
         self.scales: dict[int, torch.Tensor] = {}
 
     def hook(self, state: object, bucket: GradBucket) -> Future[torch.Tensor]:
-        if self.wire is None:
-            averaged = bucket.buffer() * (1 / self.world_size)  # a copy: DDP reuses the buffer
+        if self.compression_hook is not None:
+            averaged, future = self.compressed(bucket)
+            self.works.setdefault(self.step, []).append(future)
         else:
-            self.wire.count_bucket(bucket)
-            averaged = bucket.buffer().to(self.wire.wire_dtype).div_(self.world_size)
-            self.wire.count_all_reduce(averaged.nbytes)
-        work = dist.all_reduce(averaged, async_op=True)
-        self.works.setdefault(self.step, []).append(work)
-        future = work.get_future()
+            if self.wire is None:
+                averaged = bucket.buffer() * (1 / self.world_size)  # a copy: DDP reuses it
+            else:
+                self.wire.count_bucket(bucket)
+                averaged = bucket.buffer().to(self.wire.wire_dtype).div_(self.world_size)
+                self.wire.count_all_reduce(averaged.nbytes)
+            work = dist.all_reduce(averaged, async_op=True)
+            self.works.setdefault(self.step, []).append(work)
+            future = work.get_future()
         params = bucket.parameters()
         views = self.sent.setdefault(self.step, {})
         for param, view in zip(params, averaged.split([p.numel() for p in params]), strict=True):
@@ -100,6 +115,13 @@ class StaleGradients:
             self.sent.pop(source, None)
             self.step += 1
         return result
+
+    def compressed(self, bucket: GradBucket) -> tuple[torch.Tensor, Future]:
+        """The compression's exchange of a copy of `bucket`: the copy, which its hook fills
+        with the decompressed average, and a future that holds it as all_reduce's does."""
+        copy = BucketCopy(bucket)
+        hook_state, hook = self.compression_hook
+        return copy.buffer(), hook(hook_state, copy).then(lambda fut: [fut.value()])
 
     def stale(self, bucket: GradBucket) -> Future[torch.Tensor]:
         """Step t - s's averaged gradients in this bucket's layout and dtype (zeros before step
@@ -127,7 +149,7 @@ class StaleGradients:
         so a moment after its future. Forgets the works of those."""
         current = self.step - 1
         for step in [s for s, works in self.works.items() if s <= current - self.staleness
-                     or all(work.is_completed() for work in works)]:
+                     or all(completes(work) for work in works)]:
             del self.works[step]
         return sum(step < current for step in self.works)
 
@@ -152,6 +174,32 @@ class StaleGradients:
                        for step, scale in state.get("scales", {}).items()}
 
 
+def completes(work: dist.Work | Future) -> bool:
+    """Whether an all-reduce (its work) or a compression's exchange (its future) is done."""
+    return work.is_completed() if isinstance(work, dist.Work) else work.done()
+
+
+class BucketCopy:
+    """A DDP bucket with its values copied, for a compression's hook whose exchange is used
+    steps later: DDP refills the bucket's own buffer at the next step."""
+
+    def __init__(self, bucket: GradBucket) -> None:
+        self.values, self.params = bucket.buffer().clone(), bucket.parameters()
+        self.position, self.last = bucket.index(), bucket.is_last()
+
+    def buffer(self) -> torch.Tensor:
+        return self.values
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def index(self) -> int:
+        return self.position
+
+    def is_last(self) -> bool:
+        return self.last
+
+
 def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
     """True if the views tile `buffer` in order: the old bucket has the current one's layout."""
     offset = 0
@@ -165,7 +213,9 @@ def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
 class StaleSynchronous(EqualSplit):
     measures = True
     needs_comm_hook = True
-    carries_wire_dtype = True  # fp16/bf16: the stale all-reduce is sent in that dtype
+    # fp16/bf16: the stale all-reduce is sent in that dtype; onebit: its exchange, run by this
+    # hook, stands in for the all-reduce
+    carries_compression = True
     stateful = True  # the averaged gradients still to be applied
     exact = False  # step t applies the gradients of step t - staleness
 
@@ -175,14 +225,21 @@ class StaleSynchronous(EqualSplit):
         self.staleness = staleness
         self.ahead = 0
 
-    def comm_hook(self, model: nn.Module, compression: object = None) -> "CommHook":
+    def comm_hook(self, model: nn.Module, compression: object = None,
+                  compression_hook: "CommHook | None" = None) -> "CommHook":
         """The stale-gradient hook and its in-flight steps, keyed by `model`'s parameter names,
-        sending in `compression`'s wire dtype where it has one. No state for DDP to hand it:
-        the hook's object holds everything."""
+        sending in `compression`'s wire dtype where it has one, else exchanging through the
+        compression's own `compression_hook` where it has one (told that its exchanges are
+        applied `staleness` steps later). No state for DDP to hand it: the hook's object holds
+        everything."""
         runtime = self.runtime
         wire = compression if getattr(compression, "wire_dtype", None) is not None else None
-        self.stale = StaleGradients(
-            self.staleness, runtime.world_size, parameter_names(model), runtime.device, wire)
+        if wire is not None:
+            compression_hook = None
+        if compression_hook is not None:
+            compression.applied_after(self.staleness)
+        self.stale = StaleGradients(self.staleness, runtime.world_size, parameter_names(model),
+                                    runtime.device, wire, compression_hook)
         return None, self.stale.hook
 
     def carried_scale(self, grad_scale: torch.Tensor | None) -> torch.Tensor | None:

@@ -27,10 +27,18 @@ class Compression(Protocol):
     #: Where the compression is only a dtype on the wire: that dtype (a sharded layout reduces
     #: gradients in it itself, without a comm hook); None otherwise.
     wire_dtype: torch.dtype | None
+    #: Its exchanges of consecutive steps may be in flight at once, each applied steps after
+    #: its hook ran (balance=ssp): each takes its state when its hook runs, and keeps what it
+    #: learned once its result is applied (`applied_after`).
+    overlaps_steps: bool
 
     def comm_hook(self, model: nn.Module) -> CommHook | None:
         """Set up for the wrapped model; return the DDP comm hook that sends its gradients,
         or None where DDP's built-in all-reduce does (`Trainer.build` registers it)."""
+
+    def applied_after(self, steps: int) -> None:
+        """Where a balance runs this compression's hook (ssp): each step's exchange is applied
+        `steps` steps after its hook ran, so `end_step` keeps what it learned then."""
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         """Before the step's backward: the factor its gradients carry (the loss scale, a

@@ -69,6 +69,7 @@ class CommHookCompression:
     stateful = False
     exact = False  # what arrives is a rounded or compressed copy of the averaged gradients
     wire_dtype: torch.dtype | None = None  # more than a dtype: only a comm hook can do it
+    overlaps_steps = True  # stateless, or state kept by the step it belongs to (onebit)
 
     def __init__(self) -> None:
         self.world_size = 1  # of the model's process group, once registered
@@ -79,6 +80,7 @@ class CommHookCompression:
         self.names: dict[int, str] = {}  # id(parameter) -> name, once registered
         self.grad_scale: torch.Tensor | None = None  # the factor this step's gradients carry
         self.sharded = None  # under FSDP2: its collectives, counted (a WireCount)
+        self.delay = 0  # steps between a hook's exchange and the step that applies it (ssp)
 
     def comm_hook(self, model: nn.Module) -> CommHook:
         """(state, hook) for `model`'s DDP: the subclass's hook, counting the plain bytes.
@@ -99,6 +101,9 @@ class CommHookCompression:
 
     def hook(self, state: object, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         raise NotImplementedError
+
+    def applied_after(self, steps: int) -> None:
+        self.delay = steps
 
     def begin_step(self, grad_scale: torch.Tensor | None) -> None:
         self.grad_scale = grad_scale

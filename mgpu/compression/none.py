@@ -20,6 +20,7 @@ class NoCompression:
     stateful = False
     exact = True
     wire_dtype = None  # the gradients' own
+    overlaps_steps = True  # no hook, no state
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None

@@ -16,6 +16,13 @@ depends on the world size W, chosen when the hook is registered and logged:
 
 Every rank decodes the same compressed averages, so all ranks apply the same update.
 
+Under balance=ssp the exchange of step t is applied at step t + s: its residuals are kept then,
+if that update is applied, so a step's message is formed with the residuals of the exchanges
+already applied (s + 1 interleaved error-feedback sequences; s = 0 is onebit alone). There the
+exchange is the all_gather at any W: the compressed all-reduce's second collective starts when
+its first completes, an order ranks a step apart do not share (their collectives would pair
+wrongly). Checkpoints hold the residuals of the exchanges in flight with the rest.
+
 A scale per parameter, not per bucket: which bucket a parameter lands in is DDP's choice (its
 bucket size, and the rebuild after the first step of every run, resumed ones too), so with a
 scale per bucket the update would depend on it; per parameter, a resumed run computes exactly
@@ -136,6 +143,11 @@ def signed_scales(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.float(), torch.where(values >= 0, scale, -scale).to(values.dtype)
 
 
+def copied(entry: tuple) -> tuple:
+    """A pending residual entry with its tensors copied."""
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in entry)
+
+
 class OneBit(CommHookCompression):
     stateful = True  # error-feedback residuals and the step count
 
@@ -151,7 +163,10 @@ class OneBit(CommHookCompression):
         self.flat: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket -> (names, flat)
         # Server-side residuals of the parameter chunks this rank owns (W > 2), unscaled.
         self.server: dict[str, torch.Tensor] = {}
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (residual, its next value)
+        # step -> (kind, name, what its exchange missed, the residual it was formed with), kind
+        # "residuals" (worker side) or "server", unscaled: the residual's next value once that
+        # step's update is applied, or (under ssp; else None) if it is not
+        self.pending: dict[int, list[tuple[str, str, torch.Tensor, torch.Tensor | None]]] = {}
         self.all_to_all_path = False  # compressed all-reduce (W > 2), else all_gather
 
     def comm_hook(self, model):
@@ -163,12 +178,29 @@ class OneBit(CommHookCompression):
                  "all_gather of every rank's message (as few bytes, one round)")
         return hook
 
+    def applied_after(self, steps: int) -> None:
+        """Under ssp: the residuals of a step's exchange are kept `steps` steps later; the
+        exchange is one collective, the all_gather, at any world size: the compressed
+        all-reduce starts its second collective from the first one's completion, which ranks
+        a step apart reach in different orders (their collectives would then pair wrongly)."""
+        super().applied_after(steps)
+        if self.all_to_all_path:
+            self.all_to_all_path = False
+            log.info("compression=onebit at world size %d under balance=ssp: all_gather of "
+                     "every rank's message (one collective per bucket, launched in the hook)",
+                     self.world_size)
+
     def end_step(self, applied: bool) -> None:
-        """Keep the step's new residuals if its update was applied; else drop them."""
-        if applied:
-            for residual, new in self.pending:
-                residual.copy_(new)
-        self.pending.clear()
+        """Keep the new residuals of the exchange this step applied (its own; under ssp the one
+        `delay` steps older) if its update was applied. Else its message was never applied, so
+        what it was formed with is due again: the residuals as they are (its own step), or as
+        they were when it was formed (ssp: those of later exchanges belong to them)."""
+        for kind, name, new, used in self.pending.pop(self.step - 1 - self.delay, []):
+            residual = getattr(self, kind)[name]
+            if applied:
+                residual.copy_(new.view_as(residual))
+            elif used is not None:
+                residual.copy_(used.view_as(residual))
 
     def hook(self, group, bucket):
         step = self.step
@@ -183,9 +215,13 @@ class OneBit(CommHookCompression):
         compensated = buffer + (residual if scale is None else residual * scale)
         scales, transmitted = scaled_signs(compensated, sizes)
         # What this rank's message missed, unscaled: the residual once the step is applied.
-        self.keep_missed(residual, compensated - transmitted)
+        names = [self.names[id(p)] for p in bucket.parameters()]
+        missed = (compensated - transmitted).split(sizes)
+        used = residual.split(sizes) if self.delay else [None] * len(names)
+        for name, piece, before in zip(names, missed, used, strict=True):
+            self.keep_missed(step, "residuals", name, piece, before)
         if self.all_to_all_path:
-            return self.compressed_all_reduce(group, bucket, compensated, sizes, scales)
+            return self.compressed_all_reduce(group, bucket, compensated, sizes, scales, step)
         payload = message(compensated, scales)
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
@@ -194,13 +230,19 @@ class OneBit(CommHookCompression):
 
         return self.all_gather(payload, group).then(decompress)
 
-    def keep_missed(self, residual: torch.Tensor, missed: torch.Tensor) -> None:
-        """`missed` (scaled as this step's gradients) becomes `residual` once the step applies."""
+    def keep_missed(self, step: int, kind: str, name: str, missed: torch.Tensor,
+                    used: torch.Tensor | None = None) -> None:
+        """`missed` (scaled as this step's gradients) becomes residual `name` of `kind` once
+        the update of `step`'s exchange is applied; `used` (unscaled, copied here), the
+        residual it was formed with, where that update may come after other exchanges."""
         scale = self.grad_scale
-        self.pending.append((residual, missed if scale is None else missed / scale))
+        new = missed if scale is None else missed / scale
+        kept = (kind, name, new, None if used is None else used.clone())
+        self.pending.setdefault(step, []).append(kept)
 
     def compressed_all_reduce(self, group, bucket: dist.GradBucket, compensated: torch.Tensor,
-                              sizes: list[int], scales: torch.Tensor) -> torch.futures.Future:
+                              sizes: list[int], scales: torch.Tensor, step: int
+                              ) -> torch.futures.Future:
         """The messages' chunks to their owners (all_to_all), each owner's compressed average
         of its chunks back to every rank (all_gather), decoded into the bucket. `scales`: this
         rank's scale of each parameter, which every owner needs with its chunk."""
@@ -213,7 +255,8 @@ class OneBit(CommHookCompression):
 
         def average_and_gather(fut: torch.futures.Future) -> torch.Tensor:
             received = fut.value()  # (world, message bytes): this rank's chunks from each rank
-            averages = self.server_step(received, names, sizes, widths, group.rank(), world)
+            averages = self.server_step(received, names, sizes, widths, group.rank(), world,
+                                        step)
             gathered = self.all_gather(averages, group).wait()
             buffer.copy_(decode_chunks(gathered, sizes, widths))
             return buffer
@@ -221,7 +264,7 @@ class OneBit(CommHookCompression):
         return self.all_to_all(messages, group).then(average_and_gather)
 
     def server_step(self, received: torch.Tensor, names: list[str], sizes: list[int],
-                    widths: list[int], owner: int, world: int) -> torch.Tensor:
+                    widths: list[int], owner: int, world: int, step: int) -> torch.Tensor:
         """Average this rank's chunk of every parameter over the ranks' messages, add its
         server residual, compress again: the packed signs and one scale per chunk."""
         senders = received[:, -4 * len(sizes):].clone(memory_format=torch.contiguous_format)
@@ -237,7 +280,7 @@ class OneBit(CommHookCompression):
             scale = self.grad_scale
             compensated = average + (residual if scale is None else residual * scale)
             chunk_scale, transmitted = signed_scales(compensated)
-            self.keep_missed(residual, compensated - transmitted)
+            self.keep_missed(step, "server", name, compensated - transmitted)
             padded = torch.nn.functional.pad(compensated, (0, width - (end - start)))
             signs.append(pack_signs(padded))
             chunk_scales.append(chunk_scale)
@@ -272,7 +315,9 @@ class OneBit(CommHookCompression):
         `warmup_steps`)."""
         return {"step": self.step, "world_size": self.world_size,
                 "residuals": {n: r.clone() for n, r in self.residuals.items()},
-                "server": {n: r.clone() for n, r in self.server.items()}}
+                "server": {n: r.clone() for n, r in self.server.items()},
+                "pending": {step: [copied(entry) for entry in kept]
+                            for step, kept in self.pending.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if "residuals" not in state:  # saved with another compression: start as a fresh run
@@ -281,6 +326,9 @@ class OneBit(CommHookCompression):
             return
         self.step = state["step"]
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
+        # Under ssp: what the exchanges in flight missed, kept once their updates apply.
+        self.pending = {step: [copied(entry) for entry in kept]
+                        for step, kept in state.get("pending", {}).items()}
         self.flat = {}
         saved_world = state.get("world_size", self.world_size)
         if saved_world == self.world_size:

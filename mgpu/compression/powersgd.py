@@ -42,6 +42,9 @@ class PowerSGD(CommHookCompression):
     """
 
     stateful = True  # error feedback, P/Q memories and the random generator
+    # torch's powerSGD_hook updates one state's per-bucket memories in place while a step's
+    # all-reduces are in flight: the next step's exchange on that bucket would overwrite them.
+    overlaps_steps = False
 
     def __init__(
         self,
