@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -288,6 +289,135 @@ def bench_checkpoint(rounds: int, workdir: Path) -> dict:
         "setup": f"MLP 64-256-256-10 on digits, 2 gloo processes, {steps} steps, a checkpoint "
                  f"every {every}; restart: rank 1 SIGKILLed at step {steps // 2 + 1}, "
                  "the first step after a checkpoint",
+    }
+
+
+def log_lines(output_dir: Path, rank: int, pattern: str) -> list[tuple[float, re.Match]]:
+    """(time logged, match) of each line of `logs/rank<rank>.log` matching `pattern`, over
+    every attempt of the run (each restarted rank appends to its log)."""
+    found = []
+    for line in (output_dir / "logs" / f"rank{rank}.log").read_text().splitlines():
+        match = re.search(pattern, line)
+        if match and line.startswith(f"[rank{rank}] "):  # not a message's later lines
+            stamp = line.split(" ", 1)[1][:23]  # "[rank0] 2026-01-01 12:00:00,123 INFO ..."
+            found.append((datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp(), match))
+    return found
+
+
+def training_phase_s(output_dir: Path) -> float:
+    """From rank 0's first "training N steps" line (after the parent prepared, the group
+    started and the state was built) to its last line (the final evaluation): the time the
+    run's steps took, restarts included, without the interpreter's and MLflow's start."""
+    lines = log_lines(output_dir, 0, r"")
+    started = next(t for t, m in log_lines(output_dir, 0, r"training \d+ steps"))
+    return lines[-1][0] - started
+
+
+def recoveries(output_dir: Path, world_size: int) -> list[dict]:
+    """Per injected fault, in the order they fired: its kind, rank and step; how long from
+    its injection (logged by the failing rank just before it fails) until the restarted
+    group completed its first step (rank 0's "the first after restart k" line); and the
+    steps done again: those completed before the fault (step - 1; the checkpoint's step for
+    a kill while writing it) less the step the restart resumed from."""
+    injected = sorted(
+        (stamp, match) for rank in range(world_size)
+        for stamp, match in log_lines(output_dir, rank,
+                                      r"injecting fault\.mode=(\w+) on rank (\d+) at step (\d+)"))
+    firsts = {int(m[2]): (stamp, int(m[1])) for stamp, m in log_lines(
+        output_dir, 0, r"step (\d+) done, the first after restart (\d+)")}
+    figures = []
+    for k, (failed_at, match) in enumerate(injected):
+        mode, rank, step = match[1], int(match[2]), int(match[3])
+        recovered_at, first_step = firsts[k + 1]
+        completed = step if mode == "checkpoint_sigkill" else step - 1
+        figures.append({"kind": mode, "rank": rank, "step": step,
+                        "recovery_s": round(recovered_at - failed_at, 2),
+                        "steps_recomputed": completed - (first_step - 1)})
+    return figures
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """Whether two runs' final `model.pt` hold bitwise the same tensors."""
+    first = torch.load(a / "model.pt", weights_only=True)
+    second = torch.load(b / "model.pt", weights_only=True)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+#: The chaos runs (train.steps, overrides): the default job with five faults by checkpoint
+#: interval and async save, and a ten times longer run, over which restarts cost less.
+CHAOS_VARIANTS = {
+    "every25": (500, ["checkpoint.every_steps=25"]),
+    "every50": (500, ["checkpoint.every_steps=50"]),
+    "every100": (500, ["checkpoint.every_steps=100"]),
+    "every50_async": (500, ["checkpoint.every_steps=50", "checkpoint.async_save=true"]),
+    "steps5000_every50": (5000, ["checkpoint.every_steps=50"]),
+}
+
+
+def bench_chaos(_rounds: int, workdir: Path) -> dict:
+    """The default job (500 steps) fault-free, then with 5 faults (`fault.schedule`: SIGKILL,
+    exception, hang, a kill while writing a checkpoint, SIGKILL, at seeded random steps and
+    ranks) at several checkpoint intervals, sync and async, and a 5000-step run alike:
+    goodput (useful samples/s over the fault-free run's of the same length, the same samples:
+    its time over theirs), recovery time per fault (p50, p95: injection to the restarted
+    group's first completed step), steps recomputed per fault, and whether the final weights
+    are bitwise the fault-free run's.
+
+    One round: each chaos run holds five recoveries. `launch.timeout_s=5` in every run, so a
+    hang is found after 5 s (a fault-free run is unchanged by it). Goodput is given over the
+    training phase (rank 0's first "training" log line to its last, restarts included) and
+    over the whole invocation. The fault-free runs save as the default job does (every 100
+    steps, sync), so a shorter interval's cost counts against goodput.
+    """
+    count = 5
+    common = ["launch.timeout_s=5"]
+    faults = [f"fault.schedule.count={count}", "fault.schedule.seed=1",
+              f"launch.max_restarts={count}"]
+    quiet = wait_for_quiet()
+    clean = {}
+    for steps in sorted({steps for steps, _ in CHAOS_VARIANTS.values()}):
+        started = time.perf_counter()
+        summary = run_mgpu([*common, f"train.steps={steps}"], workdir)
+        clean[steps] = {"run": summary, "wall_s": time.perf_counter() - started,
+                        "training_phase_s": training_phase_s(summary["output_dir"])}
+    variants = {}
+    for name, (steps, overrides) in CHAOS_VARIANTS.items():
+        started = time.perf_counter()
+        chaos = run_mgpu([*common, f"train.steps={steps}", *faults, *overrides], workdir)
+        wall = time.perf_counter() - started
+        per_fault = recoveries(chaos["output_dir"], world_size=2)
+        times = sorted(fault["recovery_s"] for fault in per_fault)
+        phase = training_phase_s(chaos["output_dir"])
+        baseline = clean[steps]
+        variants[name] = {
+            "train.steps": steps,
+            "goodput": baseline["training_phase_s"] / phase,
+            "goodput_whole_invocation": baseline["wall_s"] / wall,
+            "recovery_s_p50": statistics.median(times),
+            "recovery_s_p95": statistics.quantiles(times, n=20, method="inclusive")[-1],
+            "steps_recomputed_mean": statistics.mean(f["steps_recomputed"] for f in per_fault),
+            "bitwise_equal_to_fault_free": same_weights(chaos["output_dir"],
+                                                        baseline["run"]["output_dir"]),
+            "faults_fired": len(per_fault),
+            "per_fault": per_fault,
+            "training_phase_s": round(phase, 2),
+            "wall_s": round(wall, 1),
+        }
+    return {
+        "variants": variants,
+        "fault_free": {steps: {"training_phase_s": round(c["training_phase_s"], 2),
+                               "wall_s": round(c["wall_s"], 1),
+                               "train/samples_per_s": c["run"]["train/samples_per_s"]}
+                       for steps, c in clean.items()},
+        "targets": {"goodput_every50": 0.8, "recovery_s_p95": 15.0, "bitwise_equal": True},
+        "machine_before": quiet,
+        "load_average_after": os.getloadavg(),
+        "setup": f"the default job: MLP 64-256-256-10 on digits, global batch 64, 500 steps "
+                 f"(and 5000), eval every 100, AdamW cosine, 2 gloo processes, "
+                 f"launch.timeout_s=5; {count} faults (fault.schedule.seed=1: both ranks "
+                 f"fail; kinds sigkill, exception, hang, checkpoint_sigkill taken in turn), "
+                 f"launch.max_restarts="
+                 f"{count}; the fault-free runs save every 100 steps (the default), sync",
     }
 
 
@@ -635,6 +765,7 @@ SECTIONS = {
     "commbench": bench_commbench,
     "monitoring": bench_monitoring,
     "checkpoint": bench_checkpoint,
+    "chaos": bench_chaos,
     "straggler": bench_straggler,
     "compression": bench_compression,
     "strategies": bench_strategies,
