@@ -74,6 +74,10 @@ class LaunchConf:
     nnodes: str = "1"  # "N" or "MIN:MAX"
     rdzv_endpoint: str = ""  # host:port; empty = this machine on a free port
     rdzv_timeout_s: int = 600  # how long a node waits at the rendezvous for the others
+    # An elastic job (nnodes=MIN:MAX) waits this long for more nodes once MIN are there.
+    rdzv_last_call_s: int = 30
+    # Seconds between a node's heartbeats; one silent for 3 of them is dropped from the group.
+    rdzv_heartbeat_s: int = 5
     max_restarts: int = 0
     timeout_s: int = 300  # collective timeout in seconds
     world_size: int = field(default=0, metadata=DERIVED)  # nodes x processes per node
@@ -359,6 +363,8 @@ def check_root(values: dict) -> None:
     _positive("launch.max_restarts", launch["max_restarts"], 0)
     _positive("launch.timeout_s", launch["timeout_s"])
     _positive("launch.rdzv_timeout_s", launch["rdzv_timeout_s"])
+    _positive("launch.rdzv_last_call_s", launch["rdzv_last_call_s"], 0)
+    _positive("launch.rdzv_heartbeat_s", launch["rdzv_heartbeat_s"])
     if fault["mode"] is not None and fault["mode"] not in FAULT_MODES:
         raise ConfigError(f"fault.mode={fault['mode']}: use null, {' or '.join(FAULT_MODES)}")
     direction = values["tracking"]["objective"]["direction"]

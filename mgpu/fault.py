@@ -18,6 +18,7 @@ import random
 import signal
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -148,18 +149,20 @@ def step_file(output_dir: str | Path, rank: int) -> Path:
 
 
 class StepMark:
-    """The step this rank is at, kept in an 8-byte memory-mapped file (`step_file`).
+    """The step this rank is at, and the last step it completed with the wall time it did, kept
+    in a 24-byte memory-mapped file (`step_file`).
 
     A rank killed by a signal (SIGKILL, the OOM killer) leaves no error report; the file is
-    where its launcher reads the step it died at. A write to mapped memory per step costs no
-    system call.
+    where its launcher reads the step it died at, and where the next worker group of an
+    elastic job reads when the job last made progress (`mgpu.elastic`). A write to mapped
+    memory per step costs no system call.
     """
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(bytes(8))
+        path.write_bytes(bytes(MARK_BYTES))
         with path.open("r+b") as f:
-            self._map = mmap.mmap(f.fileno(), 8)
+            self._map = mmap.mmap(f.fileno(), MARK_BYTES)
         self._step = 0
 
     @property
@@ -171,14 +174,34 @@ class StepMark:
         self._step = step
         struct.pack_into("<q", self._map, 0, step)
 
+    def completed(self, step: int) -> None:
+        """`step` is done, now."""
+        struct.pack_into("<qd", self._map, 8, step, time.time())
+
+
+MARK_BYTES = 24  # the step at, the last step completed, the wall time it completed at
+
 
 def read_step(path: Path) -> int | None:
     """The step a rank's `StepMark` last recorded, or None where it never wrote one."""
+    data = _read_mark(path)
+    return struct.unpack_from("<q", data)[0] if data else None
+
+
+def read_completed(path: Path) -> tuple[int, float] | None:
+    """(the last step a rank's `StepMark` recorded as completed, its wall time), or None where
+    it completed none."""
+    data = _read_mark(path)
+    step, at = struct.unpack_from("<qd", data, 8) if data else (0, 0.0)
+    return (step, at) if step else None
+
+
+def _read_mark(path: Path) -> bytes | None:
     try:
         data = path.read_bytes()
     except OSError:
         return None
-    return struct.unpack("<q", data)[0] if len(data) == 8 else None
+    return data if len(data) == MARK_BYTES else None
 
 
 @contextmanager

@@ -68,7 +68,11 @@ def launch(
         run_id="mgpu",
         rdzv_backend="c10d",
         rdzv_endpoint=settings.rdzv_endpoint or "127.0.0.1:0",
-        rdzv_configs={"join_timeout": settings.rdzv_timeout_s},
+        rdzv_configs={
+            "join_timeout": settings.rdzv_timeout_s,
+            "last_call_timeout": settings.rdzv_last_call_s,
+            "keep_alive_interval": settings.rdzv_heartbeat_s,
+        },
         max_restarts=settings.max_restarts,
         monitor_interval=0.1,
         start_method="forkserver",

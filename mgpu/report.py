@@ -148,8 +148,9 @@ def plot_throughput_vs_accuracy(path: Path, runs: list[Run]) -> bool:
 
 def plot_scaling(path: Path, runs: list[Run]) -> bool:
     """samples/s against world size, one line per strategy, where the world size varies."""
+    # An elastic run's param is a range ("1:2"): it ran at more than one size.
     runs = [r for r in runs if "train/samples_per_s" in r.data.metrics
-            and r.data.params.get("launch.world_size")]
+            and r.data.params.get("launch.world_size", "").isdigit()]
     if len({r.data.params["launch.world_size"] for r in runs}) < 2:
         return False
     fig = Figure(figsize=(5, 4), layout="tight")

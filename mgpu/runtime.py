@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mgpu.elastic import Membership
+
 log = logging.getLogger("mgpu")
 
 
@@ -25,6 +27,8 @@ class Runtime:
     local_world_size: int
     device: torch.device
     output_dir: Path
+    # Where a job run by global rank 0 (multi-node, elastic) has its groups: this one's place.
+    membership: Membership | None = None
 
     @property
     def is_main(self) -> bool:

@@ -38,7 +38,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from mgpu.config import Job, resolve_tracking_uri
+from mgpu.config import Job, parse_nnodes, resolve_tracking_uri
 from mgpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def log_job_config(job: Job, run_id: str, extra_params: Mapping[str, str] | None
     """The job's params (its flattened config and `extra_params`) and its config."""
     client = MlflowClient(job.tracking.uri)
     config = public_config(job)
-    values = {**flatten(config), **(extra_params or {})}
+    values = {**flatten(config), **world_size_param(job), **(extra_params or {})}
     params = [
         Param(key, str(value)[:MAX_PARAM_LENGTH])
         for key, value in values.items()
@@ -167,6 +167,17 @@ def log_job_config(job: Job, run_id: str, extra_params: Mapping[str, str] | None
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
     client.log_text(run_id, OmegaConf.to_yaml(config), "config.yaml")
+
+
+def world_size_param(job: Job) -> dict[str, str]:
+    """`launch.world_size` as an elastic job's param: params never change, and the job runs at
+    any size from MIN to MAX nodes' ranks (`launch.nnodes=MIN:MAX`), so it says "MIN:MAX" in
+    ranks; the size the steps ran at is the metric `elastic/world_size` (`mgpu.elastic`)."""
+    low, high = parse_nnodes(job.launch.nnodes)
+    if low == high:
+        return {}
+    nproc = job.launch.nproc_per_node
+    return {"launch.world_size": f"{low * nproc}:{high * nproc}"}
 
 
 def data_params(data: object) -> dict[str, str]:

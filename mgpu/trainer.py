@@ -211,6 +211,10 @@ class Trainer:
                 if restarts and step == self.start_step + 1:  # where a restart's recovery ends
                     log.info("step %d done, the first after restart %d", step, restarts)
                 self.monitor.end_step(step, samples)
+                at.completed(step)
+                membership = self.runtime.membership
+                if membership and step == self.start_step + 1:  # this group's first step
+                    self.log(membership.metrics(self.start_step, time.time()), step)
                 if step % log_every == 0 or step == steps:
                     with meter.stall():
                         metrics = self.log_point(step, meter)

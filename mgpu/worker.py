@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mgpu import checkpoint, tracking
+from mgpu import checkpoint, elastic, tracking
 from mgpu.config import Job, Options
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
@@ -91,11 +91,15 @@ def run_owned_by_rank0(
     so all write into its output and checkpoint dirs; it closes the run FINISHED or FAILED."""
     runtime = join_group(job.output_dir, job.launch.timeout_s)
     try:
-        run_id = None
-        if runtime.is_main and job.tracking.enabled:
-            run_id = open_run(job, options, request, env)
-        job, run_id, owner = rank0s([job, run_id, socket.gethostname()])
-        runtime = dataclasses.replace(runtime, output_dir=Path(job.output_dir))
+        run_id = membership = None
+        if runtime.is_main:
+            if job.tracking.enabled:
+                run_id = open_run(job, options, request, env)
+            membership = elastic.begin_group(job.output_dir, runtime.world_size, run_id)
+        job, run_id, owner, membership = rank0s(
+            [job, run_id, socket.gethostname(), membership])
+        runtime = dataclasses.replace(
+            runtime, output_dir=Path(job.output_dir), membership=membership)
         setup_logging(runtime.rank, runtime.output_dir)
         if not (runtime.is_main and run_id):
             summary = start_task(job, options, runtime, None)
@@ -107,7 +111,11 @@ def run_owned_by_rank0(
             with system_metrics(job.tracking, job.monitor.interval_s, run_id):
                 summary = start_task(job, options, runtime, run_id)
         except BaseException as e:
-            tracking.finish_run(uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
+            # Where the agent may start another group (a node joins, or a retry), that group
+            # continues the run; where it gives up, the nodes' parents close it.
+            if not elastic.may_restart(job.launch):
+                tracking.finish_run(
+                    uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
             raise
         tracking.finish_run(uri, run_id, "FINISHED")
         return Outcome(runtime.rank, summary, job, run_id, owner)
@@ -116,9 +124,12 @@ def run_owned_by_rank0(
 
 
 def open_run(job: Job, options: Options, request: RunRequest, env: dict[str, str]) -> str:
-    """Rank 0: the run its checkpoint was saved by, else a new one."""
+    """Rank 0: the run of the job's earlier worker groups (an elastic restart, which may come
+    before any checkpoint), else the run its checkpoint was saved by, else a new one."""
     uri = job.tracking.uri
-    resumed = tracking.continue_run(uri, checkpoint.resumed_run_id(job.checkpoint, job.resume))
+    earlier = elastic.job_run(job.output_dir) or checkpoint.resumed_run_id(
+        job.checkpoint, job.resume)
+    resumed = tracking.continue_run(uri, earlier)
     if resumed:
         return resumed
     run_id = tracking.start_job_run(

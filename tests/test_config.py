@@ -59,6 +59,8 @@ def test_auto_nproc_follows_the_strategy(tmp_path):
         (["launch.nproc_per_node=0"], "launch.nproc_per_node=0: must be >= 1"),
         (["launch.nproc_per_node=two"], "launch.nproc_per_node=two"),
         (["launch.nnodes=3:2"], "launch.nnodes=3:2"),
+        (["launch.rdzv_heartbeat_s=0"], "launch.rdzv_heartbeat_s=0: must be >= 1"),
+        (["launch.rdzv_last_call_s=-1"], "launch.rdzv_last_call_s=-1: must be >= 0"),
         (["data.batch_size=63"], "data.batch_size=63: must be divisible by world size (2)"),
         (["train.grad_accum=3"], "data.batch_size=64: must be divisible"),
         (["strategy=single", "launch.nproc_per_node=2"], "strategy=single runs one process"),

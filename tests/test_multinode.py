@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import mlflow_runs
+from tests.conftest import launch_job, mlflow_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -106,3 +110,102 @@ def test_nodes_started_with_different_overrides_fail_on_every_node(tmp_path):
     assert lines[0].startswith("mgpu: config error: the nodes' configs differ: optim.lr ("), lines
     assert "0.001" in lines[0] and "0.003" in lines[0] and "seed" not in lines[0], lines
     assert mlflow_runs(tmp_path) == []
+
+
+# An elastic job of 1 to 2 single-process nodes that notices a node gone within 3 s and forms a
+# group of the nodes there 2 s after the first; SGD (exact comparisons), a checkpoint every 5
+# steps. Each rank sleeps a random 0.2 s per step (exponential, seeded) so that a node's start
+# takes tens of steps, not all of them: the sleep changes no number.
+ELASTIC_JOB = ["optim=sgd", "train.steps=120", "train.log_every=10", "eval.every_steps=0",
+               "checkpoint.every_steps=5"]
+ELASTIC_NODE = ["launch.nnodes=1:2", "launch.nproc_per_node=1", "launch.max_restarts=3",
+                "launch.rdzv_last_call_s=2", "launch.rdzv_heartbeat_s=1", "launch.timeout_s=60",
+                "straggler.jitter_s=0.2"]
+
+
+def start_node(tmp_path: Path, port: int, name: str) -> subprocess.Popen:
+    """One node agent of the elastic job, in a session of its own: killing the session ends
+    the agent and its workers at once, as a machine going down would."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()  # the store exists before any node opens it
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    env.pop("HYDRA_FULL_ERROR", None)
+    command = [sys.executable, "-m", "mgpu", f"launch.rdzv_endpoint=127.0.0.1:{port}",
+               *ELASTIC_NODE, *ELASTIC_JOB]
+    with (tmp_path / f"{name}.out").open("w") as out:
+        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(condition, what: str, nodes: dict[str, subprocess.Popen], timeout_s: float = 240):
+    """Poll `condition` until it returns something true; fail naming `what` if it never does
+    or a node exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        exited = [name for name, node in nodes.items() if node.poll() is not None]
+        assert not exited, f"node {exited} exited while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def checkpoint_at(out: Path, world_size: int, after: int = 0) -> int | None:
+    """The step of a committed checkpoint later than `after` saved at `world_size`, if any."""
+    for manifest in sorted(out.glob("checkpoints/step_*/mgpu.json")):
+        saved = json.loads(manifest.read_text())
+        if saved["world_size"] == world_size and saved["step"] > after:
+            return saved["step"]
+    return None
+
+
+def metric_history(tmp_path: Path, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of each point of a run's metric, in step order."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_a_node_leaves_and_another_joins_in_one_run(tmp_path):
+    """Two nodes train; one dies with its workers (SIGKILL of its session); the other goes on
+    alone from the last checkpoint, resharded; a new node joins and the group is back at 2.
+    One MLflow run holds it all with each change's world size, restart count and time lost,
+    and the final weights are those of a run that never changed size, within float rounding
+    (the global batch and its sample order are the same at any world size; a world of 1 sums
+    the batch's gradient in another order than 2 ranks averaging their halves)."""
+    port = free_port()
+    nodes = {"first": start_node(tmp_path, port, "first")}
+    # The first node hosts the rendezvous store (it composed first), so the second may die.
+    out = wait_for(lambda: next((tmp_path / "outputs").glob("*/*"), None), "an output dir",
+                   nodes)
+    nodes["second"] = start_node(tmp_path, port, "second")
+    at_two = wait_for(lambda: checkpoint_at(out, 2), "a checkpoint at world size 2", nodes)
+    second = nodes.pop("second")
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    wait_for(lambda: checkpoint_at(out, 1, after=at_two), "a checkpoint at world size 1", nodes)
+    nodes["third"] = start_node(tmp_path, port, "third")
+    for name, node in nodes.items():
+        assert node.wait(timeout=300) == 0, (tmp_path / f"{name}.out").read_text()[-3000:]
+
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert "mgpu.error" not in run.data.tags
+    assert run.data.params["launch.world_size"] == "1:2"
+    sizes = metric_history(tmp_path, run.info.run_id, "elastic/world_size")
+    restarts = metric_history(tmp_path, run.info.run_id, "elastic/restarts")
+    lost = metric_history(tmp_path, run.info.run_id, "elastic/seconds_lost")
+    # The first node may have started alone and grown to 2 when the second came.
+    assert [size for _, size in sizes][-3:] == [2, 1, 2], sizes
+    assert [count for _, count in restarts] == list(range(len(sizes))), restarts
+    assert [step for step, _ in lost] == [step for step, _ in sizes[1:]], (lost, sizes)
+    assert all(seconds > 0 for _, seconds in lost), lost
+    assert json.loads((out / "summary.json").read_text())["step"] == 120
+
+    reference, weights = launch_job([*ELASTIC_JOB, "launch.nproc_per_node=2"],
+                                    tmp_path / "reference")
+    final = torch.load(out / "model.pt", weights_only=True)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval/loss"] == pytest.approx(reference["eval/loss"], abs=1e-6)
