@@ -87,8 +87,7 @@ def test_bad_input_exits_with_one_line_and_no_run(cli, tmp_path, args, key):
     ("args", "message"),
     [
         (["strategy.bucket_cap=3"], "strategy.bucket_cap: Key 'bucket_cap' is not in struct"),
-        (["balance=ssp", "compression=onebit"],
-         "balance=ssp cannot run with compression=onebit"),
+        (["strategy=tp", "model=cnn"], "strategy=tp cannot run with model=cnn"),
     ],
 )
 def test_hydra_full_error_shows_the_traceback_and_keeps_exit_code_2(tmp_path, args, message):
