@@ -32,8 +32,12 @@ run: install ## train the default experiment (2 processes, DDP, digits) and reco
 sweep: install ## an example sweep: strategy single/ddp x two learning rates, one MLflow parent run
 	$(PY) -m mgpu -m experiment=lr_sweep $(ARGS)
 
+# Two tests at a time: a test spends about half its time waiting on its processes' start-up
+# and rendezvous. The matrix and README tiers each stay on one worker (their launches are shared).
+TEST_WORKERS ?= 2
+
 test: lint ## ruff, then the whole suite: unit, dist (process groups) and e2e (CLI) tiers
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(ARGS)
 
 test-fast: install ## the unit tier only: no process groups, no CLI runs (< 2 min)
 	$(PY) -m pytest -q -m "not dist and not e2e" $(ARGS)

@@ -65,6 +65,9 @@ from tests.oracle import (
     tolerance,
 )
 
+# One worker runs the whole tier under pytest-xdist: it launches each world size once for all.
+pytestmark = pytest.mark.xdist_group("matrix")
+
 STEPS, CHECKPOINT_AT = 10, 6  # resumed runs redo steps 7..10
 # SGD, not AdamW, for the reference: AdamW's update is nearly blind to the gradient's scale and
 # turns rounding noise on near-zero gradients into lr-sized steps, so it hides wrong answers.

@@ -23,6 +23,9 @@ from mgpu.monitor.prometheus import free_port
 from tests.readme import Command, blocks, commands, normalized, prometheus_series
 from tests.test_monitor import scrape, served_series
 
+# One worker runs the whole tier under pytest-xdist, in README order, in one store.
+pytestmark = pytest.mark.xdist_group("readme")
+
 COMMANDS = commands()
 
 
