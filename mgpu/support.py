@@ -153,7 +153,8 @@ def one_comm_hook(balance: Option, compression: Option) -> str | None:
     need theirs, the balance's must carry the compression (send in its wire dtype, or run its
     hook, as torch's fp16/bf16_compress_wrapper wraps a hook), and a balance that keeps
     exchanges in flight across steps (ssp) needs a compression whose exchanges may overlap
-    (torch's powerSGD_hook updates its per-bucket memories in place while they run)."""
+    (state a hook updates while its collectives run, as torch's powerSGD_hook does, needs one
+    copy per exchange in flight)."""
     if not (balance.declares("needs_comm_hook") and compression.declares("needs_comm_hook")):
         return None
     carries = balance.declares("carries_compression")
@@ -165,9 +166,9 @@ def one_comm_hook(balance: Option, compression: Option) -> str | None:
            f"its hook, which {balance}'s cannot carry")
     if carries:
         why = (f"DDP takes one comm hook, and {balance}'s keeps each step's exchange in flight "
-               f"while the next ones run, but {compression}'s hook updates its state of a "
-               f"bucket in place while that bucket's all-reduces run (torch's powerSGD_hook: "
-               f"its error and Q memories), so overlapping steps would overwrite each other's")
+               f"while the next ones run, but {compression}'s exchanges cannot overlap: it "
+               f"updates its state of a bucket while that bucket's collectives run, with one "
+               f"copy of it, so overlapping steps would overwrite each other's")
     return (f"{balance} cannot run with {compression} ({why}); use {plain} with {balance}, or "
             f"balance=none")
 

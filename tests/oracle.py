@@ -25,7 +25,9 @@ cell's options state:
   the memory becomes what they missed, or, where that step is skipped, the memory they were
   formed with (their input was never applied): s + 1 interleaved error-feedback sequences.
   Every rank applies the mean of the messages at any world size (no second compression by
-  chunk owners);
+  chunk owners). With PowerSGD the same holds for the error memory, and its warm-start Q and
+  random draws are kept per lane: s + 1 of them, step t on lane t mod (s + 1), each drawing
+  its first Q from its own generator (seeded as torch's state is);
 - amp: the loss is scaled before backward and the gradients unscaled before the step; a step
   with inf/NaN gradients is skipped and the scale set to `backoff` times the smaller of the
   current scale and the one the gradients carried; `growth_interval` clean steps in a row
@@ -230,9 +232,12 @@ class Rule:
         # onebit's server side (W > 2): (parameter index, chunk) -> error memory (unscaled)
         self.server_errors: dict[tuple[int, int], torch.Tensor] = {}
         self.server_pending: dict[tuple[int, int], torch.Tensor] = {}
-        self.powersgd = None
+        # PowerSGD's warm-start Q and random draws: under ssp one per lane, a lane taking
+        # every (s + 1)-th step (its next exchange comes after its last one was applied).
+        self.lanes: list[PowerSGDReference] = []
         if isinstance(self.compression, PowerSGD):
-            self.powersgd = PowerSGDReference(self.compression.settings, params, buckets)
+            self.lanes = [PowerSGDReference(self.compression.settings, params, buckets)
+                          for _ in range(self.delay + 1)]
         elif not isinstance(self.compression, (NoCompression, Fp16, Bf16, OneBit)):
             raise NotImplementedError(f"no reference for {type(self.compression).__name__}")
 
@@ -254,8 +259,9 @@ class Rule:
             return [sum_in_order([g.to(dtype) / w for g in ranks]).float() for ranks in per_param]
         if isinstance(self.compression, OneBit) and self.synced >= self.compression.warmup_steps:
             return self.with_error_feedback(grads, self.onebit)
-        if self.powersgd and self.synced >= self.powersgd.start:
-            return self.with_error_feedback(grads, self.powersgd.average)
+        if self.lanes and self.synced >= self.lanes[0].start:
+            lane = self.lanes[self.synced % len(self.lanes)]
+            return self.with_error_feedback(grads, lane.average)
         if isinstance(self.compression, (OneBit, PowerSGD)):  # warm-up: torch's allreduce_hook
             return [sum_in_order([g / w for g in ranks]) for ranks in per_param]
         return [sum_in_order([g * (1 / w) for g in ranks]) for ranks in per_param]
@@ -327,15 +333,16 @@ class Rule:
         """The memories become what the exchange whose average this step applied (its own, or
         under ssp the one `delay` steps older) missed if the step applied; else those it was
         formed with."""
-        pending = self.pending.pop(self.synced - 1 - self.delay, None)
+        step = self.synced - 1 - self.delay
+        pending = self.pending.pop(step, None)
         if pending is not None:
             missed, used = pending
             self.errors = missed if applied else used
             if applied:
                 self.server_errors.update(self.server_pending)
         self.server_pending = {}
-        if self.powersgd:
-            self.powersgd.end_step(applied)
+        if self.lanes and step >= 0:
+            self.lanes[step % len(self.lanes)].end_step(applied)
 
 
 class PowerSGDReference:

@@ -198,7 +198,6 @@ def test_each_refusal_names_the_fact_behind_it():
         ("strategy=pp", "balance=throughput"): "read the same samples",
         ("strategy=fsdp", "compression=onebit"): "FSDP2 has no comm hook for its reduce-scatter",
         ("strategy=single", "balance=ssp"): "one process has no gradients to exchange",
-        ("compression=powersgd", "balance=ssp"): "torch's powerSGD_hook",
     }
     for row, reason in REFUSED:
         names = {option.name for option in row.values()}

@@ -26,13 +26,13 @@ so until the stale step uses it, when it is decompressed to the bucket's dtype; 
 counts the bytes (in the wire dtype) as its own hook would. Checkpoints hold the queued
 gradients in the wire dtype.
 
-With a compression that is a comm hook of its own (onebit), each step's bucket is copied (DDP
-reuses its buffer for the next step) and handed to the compression's hook, whose exchange then
-stands where the all-reduce would; the step that applies it is s steps later, and the
-compression keeps what it learned from that exchange (onebit's error feedback: what the message
-missed) only then, and only if that step's update is applied (`Compression.applied_after`). So a
-step's message is formed with the error feedback of the exchanges already applied, and s = 0
-is the compression alone.
+With a compression that is a comm hook of its own (onebit, powersgd), each step's bucket is
+copied (DDP reuses its buffer for the next step) and handed to the compression's hook, whose
+exchange then stands where the all-reduce would; the step that applies it is s steps later, and
+the compression keeps what it learned from that exchange (its error feedback: what the message
+missed; PowerSGD's Q factors) only then, and only if that step's update is applied
+(`Compression.applied_after`). So a step's message is formed with the error feedback of the
+exchanges already applied, and s = 0 is the compression alone.
 
 Same data and split as `none`; the metrics add `balance/ahead_steps`: how many of its earlier
 steps' all-reduces a rank found not yet completed when it finished a backward pass, the mean
@@ -193,6 +193,11 @@ class BucketCopy:
     def parameters(self) -> list[torch.Tensor]:
         return self.params
 
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's piece of the copy, shaped as the parameter (views)."""
+        pieces = self.values.split([p.numel() for p in self.params])
+        return [piece.view_as(p) for piece, p in zip(pieces, self.params, strict=True)]
+
     def index(self) -> int:
         return self.position
 
@@ -213,8 +218,8 @@ def _is_whole(views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
 class StaleSynchronous(EqualSplit):
     measures = True
     needs_comm_hook = True
-    # fp16/bf16: the stale all-reduce is sent in that dtype; onebit: its exchange, run by this
-    # hook, stands in for the all-reduce
+    # fp16/bf16: the stale all-reduce is sent in that dtype; onebit, powersgd: its exchange,
+    # run by this hook, stands in for the all-reduce
     carries_compression = True
     stateful = True  # the averaged gradients still to be applied
     exact = False  # step t applies the gradients of step t - staleness

@@ -15,14 +15,26 @@ step whose optimizer step is skipped (non-finite gradients) leaves the memories 
 before it, instead of the inf/NaN it computed, which would poison every later step: torch
 replaces each bucket's error memory with a new tensor every step, so the old one is kept by
 reference, and the small Q factors, updated in place, are copied.
+
+Under balance=ssp the exchange of step t is applied at step t + s, and torch's hook updates its
+memories of a bucket in place while that bucket's all-reduces run: the next steps' exchanges on
+one state would overwrite them. So there the run keeps s + 1 lanes, each a PowerSGD of its own
+(memories, random generator, process group) taking every (s + 1)-th step: a lane's next
+exchange comes after its last one was applied (or skipped, which restores the memories it was
+formed with), no two exchanges in flight share memories, and each lane's collectives, some
+launched from the completion of others, keep one order on every rank. `start_powerSGD_iter`
+counts the run's steps. Checkpoints hold each lane's memories, and those its exchange in flight
+was formed with (a skipped step after the resume restores them).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
@@ -42,9 +54,6 @@ class PowerSGD(CommHookCompression):
     """
 
     stateful = True  # error feedback, P/Q memories and the random generator
-    # torch's powerSGD_hook updates one state's per-bucket memories in place while a step's
-    # all-reduces are in flight: the next step's exchange on that bucket would overwrite them.
-    overlaps_steps = False
 
     def __init__(
         self,
@@ -88,6 +97,11 @@ class PowerSGD(CommHookCompression):
         # bucket index -> (error memory, copy of Q memory, P memory) before this step, None
         # where absent
         self.before: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        # Under ssp: one PowerSGD per step in flight, each taking every (s + 1)-th step.
+        self.lanes: list[PowerSGD] = []
+        # A lane resumed with an exchange in flight: the memories (by name) it was formed with.
+        self.formed_with: dict[str, dict[str, torch.Tensor]] | None = None
+        self.in_flight: list[torch.futures.Future] = []  # a lane's exchange not yet applied
 
     def comm_hook(self, model: nn.Module) -> CommHook:
         module = getattr(model, "module", model)
@@ -98,18 +112,48 @@ class PowerSGD(CommHookCompression):
         self.state = PowerSGDState(process_group=model.process_group, **self.settings)
         return self.state
 
+    def applied_after(self, steps: int) -> None:
+        """Under ssp (`steps` > 0): `steps` + 1 lanes, each with a process group of its own."""
+        super().applied_after(steps)
+        if steps:
+            ranks = dist.get_process_group_ranks(self._registered().process_group)
+            self.lanes = [self.lane(dist.new_group(ranks)) for _ in range(steps + 1)]
+
+    def lane(self, group: dist.ProcessGroup) -> PowerSGD:
+        """A PowerSGD with these settings for this model, exchanging over `group`."""
+        lane = PowerSGD(**self.settings)
+        lane.shapes, lane.names, lane.world_size = self.shapes, self.names, self.world_size
+        lane.state = PowerSGDState(process_group=group, **self.settings)
+        return lane
+
     def end_step(self, applied: bool) -> None:
-        """A skipped step leaves the memories as they were before it."""
-        if not applied and self.state is not None:
+        """A skipped step leaves the memories as they were before it (under ssp: the lane of
+        the exchange the step applied, as it was before that exchange)."""
+        if self.lanes:
+            step = self.steps - 1 - self.delay
+            if step >= 0:
+                self.lanes[step % len(self.lanes)].end_step(applied)
+            return
+        if not applied and self.before:
             for index, (error, q, p) in self.before.items():
                 restore(self.state.error_dict, index, error)
                 restore(self.state.q_memory_dict, index, q)
                 # torch draws P and Q afresh only where P is absent: a skipped first step
                 # must take both away, or the next one finds P without its Q.
                 restore(self.state.p_memory_dict, index, p)
+        elif not applied and self.formed_with is not None:  # resumed: by name, laid out anew
+            for memory in (self.state.error_dict, self.state.p_memory_dict,
+                           self.state.q_memory_dict):
+                memory.clear()
+            self.layouts = {}
+            self.by_name = {kind: dict(pieces) for kind, pieces in self.formed_with.items()}
         self.before.clear()
+        self.formed_with = None
+        self.in_flight.clear()
 
     def hook(self, state, bucket):
+        if self.lanes:
+            return self.on_lane(bucket)
         self.follow_layout(state, bucket)
         index, scale = bucket.index(), self.grad_scale
         error, q = state.error_dict.get(index), state.q_memory_dict.get(index)
@@ -137,6 +181,24 @@ class PowerSGD(CommHookCompression):
             return fut.value()
 
         return future.then(unscale_error)
+
+    def on_lane(self, bucket) -> torch.futures.Future:
+        """The bucket exchanged by the lane of this step, at the run's step count."""
+        lane = self.lanes[self.steps % len(self.lanes)]
+        lane.grad_scale = self.grad_scale
+        lane.state.iter = self.steps  # torch counts on from here at the last bucket
+        self.layouts = lane.layouts  # DDP's bucket layout, as the lanes see it
+        future = lane.hook(lane.state, bucket)
+        lane.in_flight.append(future)
+        if bucket.is_last():
+            self.steps += 1
+        return future
+
+    def metrics(self) -> dict[str, float]:
+        for lane in self.lanes:  # their all-reduces' bytes: this compression's
+            self.wire_bytes += lane.wire_bytes
+            lane.wire_bytes = 0.0
+        return super().metrics()
 
     # ---- memories by parameter name -------------------------------------------------------
 
@@ -208,7 +270,15 @@ class PowerSGD(CommHookCompression):
 
     def state_dict(self) -> dict:
         """Step count, random generator, and the error and Q memories by parameter name (they
-        restore into any bucket layout)."""
+        restore into any bucket layout); under ssp each lane's, with the memories its exchange
+        in flight was formed with."""
+        if self.lanes:
+            for lane in self.lanes:  # torch updates the memories as the exchanges complete
+                for future in lane.in_flight:
+                    future.wait()
+            return {"steps": self.steps,
+                    "lanes": [{**lane.state_dict(), "formed_with": lane.before_by_name()}
+                              for lane in self.lanes]}
         state = self._registered()
         memories = {kind: dict(pieces) for kind, pieces in self.by_name.items()}
         for index, (names, _) in self.layouts.items():
@@ -223,9 +293,19 @@ class PowerSGD(CommHookCompression):
 
     def load_state_dict(self, saved: dict) -> None:
         state = self._registered()
-        if "error" not in saved:  # saved with another compression: start as a fresh run
+        if "error" not in saved and "lanes" not in saved:  # saved with another compression
             log.info("compression=powersgd: the checkpoint holds no state of it (saved with "
                      "another compression): its memories start empty, at iteration 0")
+            return
+        if len(saved.get("lanes", ())) != len(self.lanes):
+            log.info("compression=powersgd: the checkpoint's memories are for another number "
+                     "of steps in flight (balance.staleness): they start empty, at iteration 0")
+            return
+        if self.lanes:
+            self.steps = saved["steps"]
+            for lane, own in zip(self.lanes, saved["lanes"], strict=True):
+                lane.load_state_dict(own)
+                lane.formed_with = own["formed_with"]
             return
         state.rng.set_state(numpy_rng_loaded(saved["rng"]))
         state.iter = saved["iter"]
@@ -234,6 +314,22 @@ class PowerSGD(CommHookCompression):
         self.layouts = {}
         self.by_name = {kind: {name: t.clone() for name, t in saved[kind].items()}
                         for kind in ("error", "q")}
+
+    def before_by_name(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The memories this lane's exchange in flight was formed with, by name (None where
+        none is in flight)."""
+        if self.formed_with is not None:
+            return {kind: dict(pieces) for kind, pieces in self.formed_with.items()}
+        if not self.before:
+            return None
+        before = SimpleNamespace(
+            error_dict={i: e for i, (e, _, _) in self.before.items() if e is not None},
+            q_memory_dict={i: q for i, (_, q, _) in self.before.items() if q is not None})
+        found: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
+        for index in self.before:
+            for kind, pieces in self.split_by_name(before, index, self.layouts[index][0]).items():
+                found[kind].update({name: t.clone() for name, t in pieces.items()})
+        return found
 
     def _registered(self) -> PowerSGDState:
         if self.state is None:
