@@ -88,7 +88,7 @@ def launch_one_job(cfg: DictConfig) -> float:
             raise RunFailed(f"{error} (logs: {job.output_dir}/logs)") from None
         raise
     summary = results[min(results)]
-    if prediction is not None and job.switch.to is None:  # a switched run measured two layouts
+    if prediction is not None and "switch/at_step" not in summary:  # switched: two layouts
         figures = calibration.errors(prediction, summary)
         summary = {**summary, **figures}
         if run_id:

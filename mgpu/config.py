@@ -157,10 +157,31 @@ class StragglerConf:
 
 
 @dataclass(frozen=True)
-class SwitchWhen:
-    """When a run switches strategy."""
+class LossPlateau:
+    """Switch once the train loss stops falling: at a log point, the mean train/loss of the last
+    `window` steps improved on the mean of the `window` steps before them by less than
+    `threshold`, relative to the earlier mean."""
 
-    at_step: int = 0  # after this optimizer step (0 < at_step < train.steps)
+    window: int = 0  # steps per window, a multiple of train.log_every; 0 = off
+    threshold: float = 0.01  # relative improvement per window below which the loss has plateaued
+
+
+@dataclass(frozen=True)
+class ThroughputDrop:
+    """Switch once training slows down: at a log point, samples/s over the last `window` steps
+    fell below `fraction` of the best samples/s over any `window` steps of this process."""
+
+    window: int = 0  # steps per window, a multiple of train.log_every; 0 = off
+    fraction: float = 0.5  # of the best window's samples/s, in (0, 1)
+
+
+@dataclass(frozen=True)
+class SwitchWhen:
+    """When a run switches strategy: whichever trigger that is set fires first (once)."""
+
+    at_step: int = 0  # after this optimizer step (0 < at_step < train.steps); 0 = off
+    loss_plateau: LossPlateau = field(default_factory=LossPlateau)
+    throughput_drop: ThroughputDrop = field(default_factory=ThroughputDrop)
 
 
 @dataclass(frozen=True)
@@ -578,8 +599,12 @@ def prepare(
 def check_switch(job: Job, under_torchrun: bool) -> Job:
     """`switch`, checked as the run after the switch would be (the support rules and the new
     strategy's own checks); returns the job with `switch.to` as the whole strategy node."""
-    to, at_step = job.switch.to, job.switch.when.at_step
+    to = job.switch.to
+    triggers = switch_triggers(job)
     if to is None:
+        if triggers:
+            raise ConfigError(f"{triggers[0]}: no switch.to to switch to; name a strategy, "
+                              "e.g. switch.to={name:fsdp}")
         return job
     if not isinstance(to, dict):
         to = {"name": to}
@@ -588,9 +613,9 @@ def check_switch(job: Job, under_torchrun: bool) -> Job:
         raise ConfigError(f"switch.to={{{given}}}: torchrun cannot relaunch its workers with "
                           "another strategy; run python -m mgpu, or resume the checkpoint "
                           "with the new strategy yourself")
-    if not 0 < at_step < job.train.steps:
-        raise ConfigError(f"switch.when.at_step={at_step}: must be between 1 and "
-                          f"train.steps - 1 = {job.train.steps - 1}")
+    if not triggers:
+        raise ConfigError(f"switch.to={{{given}}}: no trigger set; set switch.when.at_step, "
+                          "switch.when.loss_plateau.window or switch.when.throughput_drop.window")
     node = strategy_node(to)
     after = dataclasses.replace(job, strategy=node, switch=SwitchConf())
     options = Options.of(after.groups())
@@ -600,6 +625,38 @@ def check_switch(job: Job, under_torchrun: bool) -> Job:
     except ConfigError as e:
         raise ConfigError(f"switch.to={{{given}}} is refused: {e}") from None
     return dataclasses.replace(job, switch=dataclasses.replace(job.switch, to=node))
+
+
+def switch_triggers(job: Job) -> list[str]:
+    """The `switch.when` triggers the job sets (as `key=value`), each checked: it can fire
+    before the run ends, and every rank reads the same figures to decide it."""
+    when, steps, log_every = job.switch.when, job.train.steps, job.train.log_every
+    if when.at_step and not 0 < when.at_step < steps:
+        raise ConfigError(f"switch.when.at_step={when.at_step}: must be between 1 and "
+                          f"train.steps - 1 = {steps - 1}, or 0 (off)")
+    windows = {"loss_plateau": when.loss_plateau.window,
+               "throughput_drop": when.throughput_drop.window}
+    for trigger, window in windows.items():
+        key = f"switch.when.{trigger}.window={window}"
+        if window < 0 or window % log_every:
+            raise ConfigError(f"{key}: must be a multiple of train.log_every={log_every} (the "
+                              "trigger reads the figures of log points), or 0 (off)")
+        if 2 * window >= steps:
+            raise ConfigError(f"{key}: two windows must fit before train.steps={steps}; use a "
+                              f"window below {(steps + 1) // 2} steps")
+    threshold = when.loss_plateau.threshold
+    if not 0 <= threshold < 1:
+        raise ConfigError(f"switch.when.loss_plateau.threshold={threshold}: a relative "
+                          "improvement per window in [0, 1), e.g. 0.01 (switch once the loss "
+                          "falls by less than 1% from one window to the next)")
+    fraction = when.throughput_drop.fraction
+    if not 0 < fraction < 1:
+        raise ConfigError(f"switch.when.throughput_drop.fraction={fraction}: a share of the "
+                          "best window's samples/s in (0, 1), e.g. 0.8 (switch below 80% of it)")
+    chosen = {"switch.when.at_step": when.at_step,
+              "switch.when.loss_plateau.window": windows["loss_plateau"],
+              "switch.when.throughput_drop.window": windows["throughput_drop"]}
+    return [f"{key}={value}" for key, value in chosen.items() if value]
 
 
 def strategy_node(to: dict[str, Any]) -> dict[str, Any]:

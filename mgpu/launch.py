@@ -84,17 +84,22 @@ def launch(
     with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
             start_method(config.start_method):
         results = elastic_launch(config, worker.main)(job, run_id, env, request)
-    if job.switch.to is None:
+    if job.switch.to is None or "switch/started_at" not in group_summary(results):  # none fired
         return results
     return launch(switched(job, results), run_id, env, request)
+
+
+def group_summary(results: dict[int, Any]) -> dict[str, float]:
+    """The summary of the group's first rank."""
+    first = results[min(results)]
+    return first.summary if isinstance(first, worker.Outcome) else first
 
 
 def switched(job: Job, results: dict[int, Any]) -> Job:
     """The job after its switch: the new strategy, resuming the newest checkpoint (the one the
     old strategy wrote at the switch's step, or a later one of the new strategy's where an
     earlier invocation switched already) in the same run; no further switch."""
-    first = results[min(results)]
-    summary = first.summary if isinstance(first, worker.Outcome) else first
+    summary = group_summary(results)
     return dataclasses.replace(
         job, strategy=job.switch.to, resume="auto",
         switch=SwitchConf(when=job.switch.when, started_at=summary["switch/started_at"]))

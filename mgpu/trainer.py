@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,10 +38,11 @@ from mgpu.parallel import parallelize
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
 from mgpu.strategy import Strategy
+from mgpu.switch import Triggers
 from mgpu.tracking import MetricLogger
 
 if TYPE_CHECKING:
-    from mgpu.config import EvalConf, FaultConf, Job, TrainConf
+    from mgpu.config import EvalConf, FaultConf, Job, SwitchWhen, TrainConf
 
 log = logging.getLogger("mgpu.trainer")
 
@@ -96,6 +97,8 @@ class Trainer:
     checkpointer: Checkpointer
     start_step: int = 0  # the step of the checkpoint this run resumed from
     switch_at: int = 0  # the step after which the run stops to switch strategy (0: never)
+    switch_when: SwitchWhen | None = None  # the triggers of a switch still to come
+    switched: dict[str, float] = field(default_factory=dict)  # what a switch before it cost
 
     @classmethod
     def build(
@@ -170,14 +173,16 @@ class Trainer:
             monitor=monitor,
             checkpointer=Checkpointer(job.checkpoint, job.resume, runtime, run_id),
             switch_at=job.switch.when.at_step if job.switch.to is not None else 0,
+            switch_when=job.switch.when if job.switch.to is not None else None,
         )
         trainer.start_step = trainer.checkpointer.restore(trainer)
         if trainer.start_step and not trainer.checkpointer.rng_restored:
             torch.manual_seed(replica_seed(job.seed, data_runtime.rank, trainer.start_step))
         if trainer.start_step:
             trainer.log({"checkpoint/resumed_from_step": trainer.start_step}, trainer.start_step)
-        if job.switch.started_at and tracker:  # the run after a switch, resumed from its save
-            trainer.log(switch_metrics(job, trainer.start_step), trainer.start_step)
+        if job.switch.started_at:  # the run after a switch, resumed from its checkpoint
+            trainer.switched = switch_metrics(job, trainer.start_step)
+            trainer.log(trainer.switched, trainer.start_step)
         return trainer
 
     def train(self) -> dict[str, float]:
@@ -199,6 +204,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         if 0 < self.switch_at <= self.start_step:  # switched already: the new strategy goes on
             return {"step": self.start_step, "switch/started_at": time.time()}
+        triggers = self.switch_when and Triggers(self.switch_when, self.start_step,
+                                                 self.global_batch)
         step_mark = fault.naming_step(self.runtime.output_dir, self.runtime.rank)
         with self.progress_bar() as bar, step_mark as at:
             task = bar.add_task("train", total=steps, completed=self.start_step, loss="-", rate="-")
@@ -215,17 +222,20 @@ class Trainer:
                 membership = self.runtime.membership
                 if membership and step == self.start_step + 1:  # this group's first step
                     self.log(membership.metrics(self.start_step, time.time()), step)
+                switch = step == self.switch_at
                 if step % log_every == 0 or step == steps:
                     with meter.stall():
-                        metrics = self.log_point(step, meter)
+                        metrics, step_s = self.log_point(step, meter)
                         rate = metrics.get("train/samples_per_s", 0)
                         bar.update(task, completed=step, loss=f"{metrics['train/loss']:.4f}",
                                    rate=f"{rate:,.0f}")
+                        if triggers and step < steps:
+                            switch |= triggers.fires(step, metrics["train/loss"], step_s)
                 if eval_every and step % eval_every == 0 and step < steps:
                     with meter.stall() as stall:
                         results = self.evaluate()
                     self.log({**results, "time/eval_s": stall.seconds}, step)
-                if step == self.switch_at:
+                if switch:
                     return self.stop_for_switch(step, metrics)
                 if self.checkpointer.due(step):
                     with meter.stall():
@@ -234,7 +244,8 @@ class Trainer:
         self.checkpointer.wait()
         final_eval = self.evaluate()
         self.log(final_eval, steps)
-        return {**metrics, **final_eval, **self.checkpointer.summary(), "step": steps}
+        return {**metrics, **final_eval, **self.checkpointer.summary(), **self.switched,
+                "step": steps}
 
     def stop_for_switch(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """End this strategy's part of the run at `step`: its checkpoint, which the next
@@ -278,10 +289,12 @@ class Trainer:
             self.scheduler.step()
         return loss_sum, samples
 
-    def log_point(self, step: int, meter: StepMeter) -> dict[str, float]:
+    def log_point(self, step: int, meter: StepMeter) -> tuple[dict[str, float], float]:
         """Metrics since the last log point: loss over all ranks, throughput, memory, bytes on
-        the wire, and how long this log point held up training (`time/log_point_s`)."""
+        the wire, and how long this log point held up training (`time/log_point_s`); with the
+        mean step time of those steps on this rank, stalls left out."""
         started = time.perf_counter()
+        step_s = meter.window_step_s()
         metrics = {
             "train/loss": meter.window_loss(),
             "train/lr": self.scheduler.get_last_lr()[0],
@@ -292,14 +305,14 @@ class Trainer:
             **self.balance.metrics(),
             **self.compression.metrics(),  # the bytes on the wire, which the monitor times
         }
-        metrics.update(self.monitor.log_point(step, metrics, meter.window_step_s()))
+        metrics.update(self.monitor.log_point(step, metrics, step_s))
         metrics["time/log_point_s"] = time.perf_counter() - started
         log.info(
             "step %d  loss %.4f  %s samples/s",
             step, metrics["train/loss"], f"{metrics.get('train/samples_per_s', 0):,.0f}",
         )
         self.log(metrics, step)
-        return metrics
+        return metrics, step_s or 0.0
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
