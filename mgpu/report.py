@@ -4,7 +4,8 @@
     python -m mgpu.report --run <parent run id>      # a given sweep
 
 Writes `report.md`, `report.csv` and PNG plots (samples/s against accuracy, one panel per
-strategy / compression / precision choice; a scaling curve where the world size varies) into
+strategy / compression / precision choice; a scaling curve where the world size varies; the
+planner's predicted against the measured step time and state bytes per rank) into
 `--out` (default `reports/<parent run id>`), and logs them to the sweep's parent run under
 `report/`, so the comparison sits next to the runs in the MLflow UI.
 """
@@ -21,6 +22,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from mgpu.config import GROUPS, resolve_tracking_uri
+from mgpu.plan.calibration import ERROR_STATE, ERROR_STEP, PREDICTED_STEP
 
 SWEEP_TAG = "mgpu.sweep_dir"
 PARENT_TAG = "mlflow.parentRunId"
@@ -29,6 +31,7 @@ CONFIG_COLUMNS = ("strategy", "compression", "precision", "launch.world_size")
 METRIC_COLUMNS = (
     "train/samples_per_s", "eval/accuracy", "eval/loss", "train/loss", "time/step_p50_s",
     "comm/allreduce_s", "comm/bytes_per_step", "train/mfu", "host/other_cpu_fraction",
+    ERROR_STEP, ERROR_STATE,
 )
 #: A run whose timed steps shared the machine with more than this much other CPU load
 #: (`host/other_cpu_fraction`) is marked contended: its speed is not comparable with a quiet run's.
@@ -167,6 +170,50 @@ def plot_scaling(path: Path, runs: list[Run]) -> bool:
     return True
 
 
+STEP_TIME, STATE_BYTES = "step time (s)", "state bytes per rank"
+
+
+def calibration_points(run: Run) -> dict[str, tuple[float, float]]:
+    """(predicted, measured) step time and state bytes per rank, where the run logged the
+    planner's figures beside its own. Measured step time is `time/step_p50_s`; measured state
+    is the largest parameter plus the largest optimizer bytes of a rank, and its prediction
+    the one `plan/error_state_bytes` was computed from (predicted / measured - 1)."""
+    metrics = run.data.metrics
+    points = {}
+    if PREDICTED_STEP in metrics and metrics.get("time/step_p50_s"):
+        points[STEP_TIME] = (metrics[PREDICTED_STEP], metrics["time/step_p50_s"])
+    if ERROR_STATE in metrics and metrics.get("memory/param_bytes_per_rank"):
+        measured = (metrics["memory/param_bytes_per_rank"]
+                    + metrics.get("memory/optimizer_bytes_per_rank", 0.0))
+        points[STATE_BYTES] = ((1 + metrics[ERROR_STATE]) * measured, measured)
+    return points
+
+
+def plot_calibration(path: Path, runs: list[Run]) -> bool:
+    """Predicted (x) against measured (y) step time and state bytes per rank, one point per
+    run by strategy, beside the line where they agree: how far off the planner was for each
+    layout the sweep ran. False (no file) where no run logged the planner's figures."""
+    points = [(r.data.tags.get("strategy", "?"), calibration_points(r)) for r in runs]
+    panels = [p for p in (STEP_TIME, STATE_BYTES) if any(p in figures for _, figures in points)]
+    if not panels:
+        return False
+    fig = Figure(figsize=(5 * len(panels), 4), layout="tight")
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        pairs = [(strategy, figures[panel]) for strategy, figures in points if panel in figures]
+        for strategy in sorted({strategy for strategy, _ in pairs}):
+            chosen = [xy for s, xy in pairs if s == strategy]
+            ax.scatter(*zip(*chosen, strict=True), label=strategy)
+        values = [v for _, xy in pairs for v in xy]
+        ax.plot([min(values), max(values)], [min(values), max(values)], linestyle="--",
+                color="grey", label="predicted = measured")
+        ax.set(title=panel, xlabel=f"predicted {panel}", ylabel=f"measured {panel}",
+               xscale="log", yscale="log")
+        ax.legend()
+    fig.savefig(path, dpi=100)
+    return True
+
+
 def report(uri: str, experiment: str | None, run_id: str | None, out: Path | None) -> Path:
     """Write the sweep's table and plots, log them to its parent run; returns the directory."""
     client = MlflowClient(uri)
@@ -179,6 +226,7 @@ def report(uri: str, experiment: str | None, run_id: str | None, out: Path | Non
     write_csv(out / "report.csv", header, rows)
     plot_throughput_vs_accuracy(out / "throughput_vs_accuracy.png", runs)
     plot_scaling(out / "scaling.png", runs)
+    plot_calibration(out / "calibration.png", runs)
     client.log_artifacts(parent.info.run_id, str(out), artifact_path="report")
     return out
 

@@ -1,4 +1,5 @@
-"""`python -m mgpu.report` on a real 2x2 sweep run through the CLI into a temporary store."""
+"""`python -m mgpu.report` on a real 2x2 sweep run through the CLI into a temporary store, and
+its calibration plot on runs created in a real MLflow SQLite store."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from mgpu.model.mlp import MLP
-from mgpu.report import CONTENDED_ABOVE
+from mgpu.report import (
+    CONTENDED_ABOVE,
+    PARENT_TAG,
+    STATE_BYTES,
+    STEP_TIME,
+    SWEEP_TAG,
+    calibration_points,
+    report,
+    sweep_children,
+)
 from tests.conftest import QUICK, mlflow_runs
 
 pytestmark = pytest.mark.e2e
@@ -56,3 +66,43 @@ def test_report_turns_a_2x2_sweep_into_a_table_and_plots(cli, tmp_path):
     logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert {"report/report.md", "report/report.csv",
             "report/throughput_vs_accuracy.png", "report/scaling.png"} <= logged
+
+
+def test_the_calibration_plot_puts_each_run_at_its_predicted_and_measured_figures(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("mgpu")
+    parent = client.create_run(experiment, run_name="sweep strategy=ddp,fsdp,single",
+                               tags={SWEEP_TAG: str(tmp_path)}).info.run_id
+    # (predicted step s, measured step s, param bytes, optimizer bytes, state bytes error)
+    logged = {"ddp": (0.010, 0.020, 1000.0, 2000.0, 0.05), "fsdp": (0.030, 0.025, 500.0, 1000.0,
+                                                                  -0.10)}
+    for strategy in ("ddp", "fsdp", "single"):  # single: a run without the planner's figures
+        run = client.create_run(experiment, run_name=strategy,
+                                tags={PARENT_TAG: parent, "strategy": strategy}).info.run_id
+        figures = {"time/step_p50_s": 0.02, "memory/param_bytes_per_rank": 100.0}
+        if strategy in logged:
+            predicted_s, measured_s, params, optimizer, state_error = logged[strategy]
+            figures = {"plan/predicted_step_seconds": predicted_s, "time/step_p50_s": measured_s,
+                       "plan/error_step_time": predicted_s / measured_s - 1,
+                       "memory/param_bytes_per_rank": params,
+                       "memory/optimizer_bytes_per_rank": optimizer,
+                       "plan/error_state_bytes": state_error}
+        for key, value in figures.items():
+            client.log_metric(run, key, value)
+        client.set_terminated(run)
+
+    out = report(uri, None, parent, tmp_path / "rep")
+    assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    points = {r.data.tags["strategy"]: calibration_points(r)
+              for r in sweep_children(client, client.get_run(parent))}
+    assert points["ddp"][STEP_TIME] == (0.010, 0.020)
+    assert points["ddp"][STATE_BYTES] == pytest.approx((1.05 * 3000, 3000))
+    assert points["fsdp"][STATE_BYTES] == pytest.approx((0.9 * 1500, 1500))
+    assert points["single"] == {}
+    with open(out / "report.csv") as f:
+        rows = {r["strategy"]: r for r in csv.DictReader(f)}
+    assert float(rows["fsdp"]["plan/error_step_time"]) == pytest.approx(0.2)
+    assert rows["single"]["plan/error_step_time"] == ""
+    logged_files = {a.path for a in client.list_artifacts(parent, "report")}
+    assert "report/calibration.png" in logged_files
