@@ -41,7 +41,7 @@ from mgpu.options import build, conf_nodes, import_target, option_name
 GROUPS = (
     "strategy", "precision", "compression", "network", "balance", "model", "data", "optim", "task"
 )
-FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad")
+FAULT_MODES = ("exception", "sigkill", "hang", "nonfinite_grad", "oom")
 SCHEDULE_KINDS = ("sigkill", "exception", "hang", "checkpoint_sigkill")
 DIRECTIONS = ("maximize", "minimize")
 DERIVED = {"derived": True}  # field metadata: set by `prepare`, not by the user
@@ -141,7 +141,7 @@ class FaultSchedule:
 class FaultConf:
     """A failure injected on purpose, for tests and demonstrations."""
 
-    mode: str | None = None  # None | exception | sigkill | hang | nonfinite_grad
+    mode: str | None = None  # None | exception | sigkill | hang | nonfinite_grad | oom
     kill_rank: int = 0
     at_step: int = 0
     every_attempt: bool = False  # fail on restarted attempts too (a rank that always fails)
@@ -182,6 +182,7 @@ class SwitchWhen:
     at_step: int = 0  # after this optimizer step (0 < at_step < train.steps); 0 = off
     loss_plateau: LossPlateau = field(default_factory=LossPlateau)
     throughput_drop: ThroughputDrop = field(default_factory=ThroughputDrop)
+    oom: bool = False  # a step fails with torch.OutOfMemoryError: switch from the last checkpoint
 
 
 @dataclass(frozen=True)
@@ -615,7 +616,8 @@ def check_switch(job: Job, under_torchrun: bool) -> Job:
                           "with the new strategy yourself")
     if not triggers:
         raise ConfigError(f"switch.to={{{given}}}: no trigger set; set switch.when.at_step, "
-                          "switch.when.loss_plateau.window or switch.when.throughput_drop.window")
+                          "switch.when.loss_plateau.window, switch.when.throughput_drop.window "
+                          "or switch.when.oom=true")
     node = strategy_node(to)
     after = dataclasses.replace(job, strategy=node, switch=SwitchConf())
     options = Options.of(after.groups())
@@ -653,10 +655,18 @@ def switch_triggers(job: Job) -> list[str]:
     if not 0 < fraction < 1:
         raise ConfigError(f"switch.when.throughput_drop.fraction={fraction}: a share of the "
                           "best window's samples/s in (0, 1), e.g. 0.8 (switch below 80% of it)")
+    if when.oom and job.checkpoint.every_steps == 0:
+        raise ConfigError("switch.when.oom=true: an out-of-memory switch resumes the last "
+                          "checkpoint; set checkpoint.every_steps > 0")
+    if when.oom and parse_nnodes(job.launch.nnodes)[1] > 1:
+        raise ConfigError(f"switch.when.oom=true: launch.nnodes={job.launch.nnodes} may span "
+                          "nodes, whose launchers each see only their own ranks' errors; run "
+                          "on one node, or switch at_step or on loss_plateau")
     chosen = {"switch.when.at_step": when.at_step,
               "switch.when.loss_plateau.window": windows["loss_plateau"],
-              "switch.when.throughput_drop.window": windows["throughput_drop"]}
-    return [f"{key}={value}" for key, value in chosen.items() if value]
+              "switch.when.throughput_drop.window": windows["throughput_drop"],
+              "switch.when.oom": when.oom}
+    return [f"{key}={str(value).lower()}" for key, value in chosen.items() if value]
 
 
 def strategy_node(to: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ one). `nonfinite_grad` fails nothing: it puts an inf into one gradient, which th
 skips. `fault.schedule` spreads `count` faults of mixed kinds over one run, at seeded random
 steps and ranks; restart attempt k fires the k-th (by step), so each fires once however many
 restarts came before it. `checkpoint_sigkill` kills its rank while it writes the checkpoint
-of its step: its shards are on disk, the checkpoint is never committed.
+of its step: its shards are on disk, the checkpoint is never committed. `oom` raises what a
+device that ran out of memory raises (`torch.OutOfMemoryError`).
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def inject(mode: str, rank: int, step: int, model: nn.Module | None = None) -> N
         threading.Event().wait()
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "oom":
+        raise torch.OutOfMemoryError(f"injected fault (fault.mode=oom) on rank {rank} at step "
+                                     f"{step}")
     raise RuntimeError(f"injected fault (fault.mode={mode}) on rank {rank} at step {step}")
 
 

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import re
 import socket
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import fault, worker
-from mgpu.config import Job, SwitchConf, parse_nnodes
+from mgpu.config import FaultConf, Job, SwitchConf, parse_nnodes
 from mgpu.meter import JOB_PID_ENV
+from mgpu.options import option_name
 
 # Restarted groups on gloo reuse stale peer addresses from the shared rendezvous store
 # (pytorch issue #135712); a fresh store per attempt makes restarts reliable.
@@ -29,6 +31,7 @@ from mgpu.meter import JOB_PID_ENV
 # two all-reduced factors, and replicas drifted apart by an ulp. Strict conditional numerical
 # reproducibility makes the same product the same on every rank.
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "MKL_CBWR": "AUTO,STRICT"}
+log = logging.getLogger(__name__)
 
 
 def torchrun_world() -> tuple[int, int] | None:
@@ -81,12 +84,21 @@ def launch(
     # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
     job_env = {JOB_PID_ENV: str(os.getpid())}
     worker_env = {**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}
+    failed_at = None
     with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
             start_method(config.start_method):
-        results = elastic_launch(config, worker.main)(job, run_id, env, request)
-    if job.switch.to is None or "switch/started_at" not in group_summary(results):  # none fired
+        try:
+            results = elastic_launch(config, worker.main)(job, run_id, env, request)
+        except ChildFailedError as error:
+            if not switches_on_failure(error, job):
+                raise
+            failed_at = time.time()
+    if failed_at is not None:  # out of memory: the new strategy from the last checkpoint
+        return launch(switched(job, failed_at, after_failure=True), run_id, env, request)
+    summary = group_summary(results)
+    if job.switch.to is None or "switch/started_at" not in summary:  # none fired
         return results
-    return launch(switched(job, results), run_id, env, request)
+    return launch(switched(job, summary["switch/started_at"]), run_id, env, request)
 
 
 def group_summary(results: dict[int, Any]) -> dict[str, float]:
@@ -95,14 +107,37 @@ def group_summary(results: dict[int, Any]) -> dict[str, float]:
     return first.summary if isinstance(first, worker.Outcome) else first
 
 
-def switched(job: Job, results: dict[int, Any]) -> Job:
-    """The job after its switch: the new strategy, resuming the newest checkpoint (the one the
-    old strategy wrote at the switch's step, or a later one of the new strategy's where an
-    earlier invocation switched already) in the same run; no further switch."""
-    summary = group_summary(results)
+def switched(job: Job, started_at: float, after_failure: bool = False) -> Job:
+    """The job after its switch, which began at `started_at` (wall clock): the new strategy,
+    resuming the newest checkpoint (the one the old strategy wrote at the switch's step, the
+    last before its failure, or a later one of the new strategy's where an earlier invocation
+    switched already) in the same run; no further switch. A switch `after_failure` runs the
+    group again, so an injected fault fails it only `every_attempt`, as on a restart."""
+    fault = job.fault if job.fault.every_attempt or not after_failure else FaultConf()
     return dataclasses.replace(
-        job, strategy=job.switch.to, resume="auto",
-        switch=SwitchConf(when=job.switch.when, started_at=summary["switch/started_at"]))
+        job, strategy=job.switch.to, resume="auto", fault=fault,
+        switch=SwitchConf(when=job.switch.when, started_at=started_at))
+
+
+# A rank's error report where it ran out of device memory (the type name torch raises).
+OUT_OF_MEMORY = re.compile(r"\bOutOfMemoryError\b")
+
+
+def switches_on_failure(error: ChildFailedError, job: Job) -> bool:
+    """Whether the group's failure switches the run (`switch.when.oom`): a rank ran out of
+    memory, by its own error report (its peers then fail for lack of it). The launcher sees
+    every rank's failure, so the whole group is relaunched: no rank switches alone."""
+    if job.switch.to is None or not job.switch.when.oom:
+        return False
+    causes = root_causes(failure_reports(error, job))
+    out_of_memory = {rank: line for rank, line in causes.items() if OUT_OF_MEMORY.search(line)}
+    if not out_of_memory:
+        return False
+    rank = min(out_of_memory)
+    log.warning("rank %d ran out of memory (%s): switching to strategy=%s from the last "
+                "checkpoint", rank, out_of_memory[rank],
+                option_name("strategy", job.switch.to["_target_"]))
+    return True
 
 
 @contextmanager
@@ -196,13 +231,8 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
     rank: this node's first global rank turns one into the other (on node 0 they agree).
     """
     first = node_first_rank(error)
-    reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
-    local_reports = _error_reports(elastic_log_dir(job))
-    reports.update({first + local: message for local, message in local_reports.items()})
-    causes = {
-        r: m for r, m in reports.items()
-        if not any(p in m for p in PEER_LOST) and not TIMED_OUT.search(m)
-    }
+    reports = failure_reports(error, job)
+    causes = root_causes(reports)
     if causes:
         rank = min(causes)
         signal_name = KILLED.search(causes[rank])
@@ -223,6 +253,22 @@ def describe_failure(error: ChildFailedError, job: Job) -> str:
         )
     rank = min(reports)
     return f"rank {rank} failed: {reports[rank]}"
+
+
+def failure_reports(error: ChildFailedError, job: Job) -> dict[int, str]:
+    """{global rank: the last line of its error}: the agent's, replaced by the rank's own
+    report in the elastic log dir where it wrote one."""
+    first = node_first_rank(error)
+    reports = {rank: _last_line(failure.message) for rank, failure in error.failures.items()}
+    local_reports = _error_reports(elastic_log_dir(job))
+    reports.update({first + local: message for local, message in local_reports.items()})
+    return reports
+
+
+def root_causes(reports: dict[int, str]) -> dict[int, str]:
+    """The reports that are causes: not a rank that lost its peer or timed out waiting."""
+    return {r: m for r, m in reports.items()
+            if not any(p in m for p in PEER_LOST) and not TIMED_OUT.search(m)}
 
 
 # The agent's report of a rank ended by a signal: "Signal 9 (SIGKILL) received by PID 123".
@@ -248,8 +294,9 @@ def node_first_rank(error: ChildFailedError) -> int:
 
 
 def _error_reports(log_dir: Path) -> dict[int, str]:
-    """{local rank: last line of its error} from the newest attempt's error files."""
-    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    """{local rank: last line of its error} from the newest attempt's error files: the one
+    started last (a switched run launches its group again into the same folder)."""
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime_ns)
     if not attempts:
         return {}
     reports = {}

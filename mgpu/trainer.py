@@ -59,8 +59,9 @@ def replica_seed(seed: int, replica: int, step: int = 0) -> int:
 
 def switch_metrics(job: Job, step: int) -> dict[str, float]:
     """What the switch at `step` cost: wall time from the start of its save to the resumed
-    state (`switch/seconds`) and the checkpoint's bytes on disk (`switch/bytes`)."""
-    saved = manifest(step_dir(Path(job.checkpoint.dir), step))
+    state (`switch/seconds`) and the checkpoint's bytes on disk (`switch/bytes`; 0 where an
+    out-of-memory switch found no checkpoint and starts over)."""
+    saved = manifest(step_dir(Path(job.checkpoint.dir), step)) if step else {"files": {}}
     return {"switch/at_step": step, "switch/seconds": time.time() - job.switch.started_at,
             "switch/bytes": sum(f["bytes"] for f in saved["files"].values())}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from mgpu.checkpoint import step_dir
+from mgpu.checkpoint import manifest, step_dir
 from mgpu.config import SwitchWhen, ThroughputDrop
 from mgpu.switch import Triggers
 from tests.conftest import assert_refused, launch_job, mlflow_runs
@@ -59,6 +59,25 @@ def test_a_switched_run_is_one_mlflow_run_with_one_loss_curve(cli, tmp_path):
     # switched run measured two, so it logs the prediction alone.
     assert "plan/predicted_step_seconds" in metrics
     assert not {"plan/error_step_time", "plan/error_state_bytes"} & metrics.keys()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_an_out_of_memory_error_switches_from_the_last_checkpoint(cli, tmp_path):
+    # Rank 1 fails at step 6 with torch.OutOfMemoryError; the last checkpoint is step 4.
+    result = cli(*GPT, "train.log_every=2", "fault.mode=oom", "fault.kill_rank=1",
+                 "fault.at_step=6", "switch.to={name:fsdp}", "switch.when.oom=true")
+    assert result.returncode == 0, result.stderr
+    [run] = mlflow_runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert metrics["switch/at_step"] == SAVE_AT and metrics["switch/bytes"] > 0
+    assert metrics["checkpoint/resumed_from_step"] == SAVE_AT
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(2, STEPS + 1, 2))  # step 6 never ended under ddp
+    [checkpoints] = tmp_path.glob("outputs/*/*/checkpoints")
+    assert manifest(step_dir(checkpoints, STEPS))["layout"]["dp_shard"] == 2  # fsdp saved it
 
 
 def plateau_step(losses: dict[int, float], window: int, threshold: float, steps: int) -> int | None:
@@ -124,7 +143,8 @@ def test_a_switch_the_rules_forbid_is_refused_before_launch(overrides, message, 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["switch.to={name:fsdp}"],
      "switch.to={name:fsdp}: no trigger set; set switch.when.at_step, "
-     "switch.when.loss_plateau.window or switch.when.throughput_drop.window"),
+     "switch.when.loss_plateau.window, switch.when.throughput_drop.window or "
+     "switch.when.oom=true"),
     (["switch.when.loss_plateau.window=2"],
      "switch.when.loss_plateau.window=2: no switch.to to switch to; name a strategy, e.g. "
      "switch.to={name:fsdp}"),
@@ -142,7 +162,11 @@ def test_a_switch_the_rules_forbid_is_refused_before_launch(overrides, message, 
       "switch.when.throughput_drop.fraction=0"],
      "switch.when.throughput_drop.fraction=0.0: a share of the best window's samples/s in "
      "(0, 1), e.g. 0.8 (switch below 80% of it)"),
-], ids=["no trigger", "no target", "window", "two windows", "threshold", "fraction"])
+    (["switch.to={name:fsdp}", "switch.when.oom=true", "checkpoint.every_steps=0"],
+     "switch.when.oom=true: an out-of-memory switch resumes the last checkpoint; set "
+     "checkpoint.every_steps > 0"),
+], ids=["no trigger", "no target", "window", "two windows", "threshold", "fraction",
+        "oom without checkpoints"])
 def test_a_bad_trigger_is_refused_in_one_line(overrides, message, tmp_path):
     line = assert_refused(["train.steps=10", "train.log_every=2", *overrides], message, tmp_path)
     assert line == message
