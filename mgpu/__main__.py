@@ -69,12 +69,13 @@ def launch_one_job(cfg: DictConfig) -> float:
         job, options = trials.settle(job, options, run_id, env)
     if run_id and not resumed:
         tracking.log_job_config(job, run_id, tracking.data_params(options.data))
-        tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
+        tracking.log_env(uri, run_id, env, job.output_dir, Path(job.output_dir) / TOPOLOGY_FILE)
     prediction = None
     if getattr(options.task, "trains", False):  # the planner's figures beside the measured
         prediction = calibration.predict_own(job, options, torch.cuda.device_count())
         if run_id:
-            tracking.log_metrics(uri, run_id, calibration.predicted(prediction), 0)
+            tracking.log_metrics(uri, run_id, calibration.predicted(prediction), 0,
+                                 job.output_dir)
     try:
         # Sampled here, off the training ranks.
         with system_metrics(job.tracking, job.monitor.interval_s, run_id):
@@ -83,7 +84,8 @@ def launch_one_job(cfg: DictConfig) -> float:
         failed = isinstance(e, ChildFailedError)
         error = launch.describe_failure(e, job) if failed else f"{type(e).__name__}: {e}"
         if run_id:
-            tracking.finish_run(uri, run_id, "FAILED" if failed else "KILLED", error=error)
+            tracking.finish_run(uri, run_id, "FAILED" if failed else "KILLED", job.output_dir,
+                                error=error)
         if failed:
             raise RunFailed(f"{error} (logs: {job.output_dir}/logs)") from None
         raise
@@ -92,9 +94,10 @@ def launch_one_job(cfg: DictConfig) -> float:
         figures = calibration.errors(prediction, summary)
         summary = {**summary, **figures}
         if run_id:
-            tracking.log_metrics(uri, run_id, figures, int(summary.get("step", 0)))
+            tracking.log_metrics(uri, run_id, figures, int(summary.get("step", 0)),
+                                 job.output_dir)
     if run_id:
-        tracking.finish_run(uri, run_id, "FINISHED")
+        tracking.finish_run(uri, run_id, "FINISHED", job.output_dir)
     report(job, run_id, summary, options.task)
     return objective(job, options, summary)
 
@@ -154,7 +157,11 @@ def report(job: Job, run_id: str | None, summary: dict[str, float], task: Task) 
         f"mgpu: done. {task.summary_line(summary)}\n"
         f"  outputs: {out} ({', '.join(written)})"
     )
-    if run_id:
+    spool = tracking.Spool(out)
+    if run_id and spool.pending():
+        print(f"  MLflow:  unreachable: what run {run_id} could not write is kept in "
+              f"{spool.path}; once MLflow is back: python -m mgpu.tracking sync {out}")
+    elif run_id:
         experiment = MlflowClient(job.tracking.uri).get_run(run_id).info.experiment_id
         print(
             f"  MLflow:  run {run_id} in experiment '{job.tracking.experiment}' "
@@ -183,6 +190,7 @@ def one_line(error: BaseException) -> str:
 def main() -> None:
     """Entry point: user mistakes end as one line and a non-zero exit, bugs as a traceback."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach this handler instead of Hydra's
+    tracking.short_http_retries()  # for this process and its workers
     try:
         app()
     except (ConfigError, RunFailed, HydraException, OmegaConfBaseException) as e:

@@ -18,22 +18,32 @@ interleaved in one script, medians of 5 (2-core machine, load average 1.6-2.2):
 Both lost no point. MLflow's also logs an ERROR line per failed batch where this logs one
 warning, and joins its threads at exit without a bound, where `close` here gives up after
 `timeout_s`.
+
+A store that goes away (a server down, a SQLite file locked or removed) does not end a run nor
+lose what it logs: what the store cannot take (metric points, params, the final status) is kept
+in order in a spool file in the job's output dir, and written when the store is back: at the
+logger's next flush, at the run's end, or by `python -m mgpu.tracking sync OUTPUT_DIR`.
 """
 
 from __future__ import annotations
 
+import argparse
+import fcntl
+import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from hydra.experimental.callback import Callback
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
@@ -55,6 +65,26 @@ MASK = "***"
 # Query parameters of a store URI whose values are credentials (postgresql://h/db?password=…).
 CREDENTIAL_WORDS = ("password", "passwd", "secret", "token")
 URI_KEY = "tracking.uri"
+SPOOL_FILE = "tracking_spool.jsonl"
+# MLflow's HTTP client retries a failed request 7 times, backing off up to 2 minutes (~4 min
+# in all): a server that is down would stall each write, and the end of the run, that long.
+# What mgpu cannot write is spooled instead, so it gives up after ~3 s (connection refused) or
+# ~35 s (a server that stopped answering). Set in the parent for its workers, unless the user
+# set them.
+HTTP_RETRY_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+
+def _not_a_retry(entry: logging.LogRecord) -> bool:
+    return not entry.getMessage().startswith("Retrying (")
+
+
+# urllib3 warns at each retry of a request: while the store is down, two lines per flush. The
+# spool's one warning per outage says it instead.
+logging.getLogger("urllib3.connectionpool").addFilter(_not_a_retry)
 
 
 def mask_credentials(uri: str) -> str:
@@ -156,17 +186,17 @@ def create_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) -
 def log_job_config(job: Job, run_id: str, extra_params: Mapping[str, str] | None = None
                    ) -> None:
     """The job's params (its flattened config and `extra_params`) and its config."""
-    client = MlflowClient(job.tracking.uri)
+    uri = job.tracking.uri
     config = public_config(job)
     values = {**flatten(config), **world_size_param(job), **(extra_params or {})}
-    params = [
-        Param(key, str(value)[:MAX_PARAM_LENGTH])
+    params = {
+        key: str(value)[:MAX_PARAM_LENGTH]
         for key, value in values.items()
         if not key.endswith("_target_")
-    ]
-    for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
-    client.log_text(run_id, OmegaConf.to_yaml(config), "config.yaml")
+    }
+    text = {"text": OmegaConf.to_yaml(config), "artifact_file": "config.yaml"}
+    Spool(job.output_dir).deliver([*param_records(uri, run_id, params),
+                                   record(uri, run_id, text=text)])
 
 
 def world_size_param(job: Job) -> dict[str, str]:
@@ -186,15 +216,15 @@ def data_params(data: object) -> dict[str, str]:
     return data.run_params() if hasattr(data, "run_params") else {}
 
 
-def log_env(uri: str, run_id: str, env: Mapping[str, str], topology: Path | None = None) -> None:
+def log_env(uri: str, run_id: str, env: Mapping[str, str], output_dir: str | Path,
+            topology: Path | None = None) -> None:
     """The variables the network group set for the workers, as `env.<NAME>` params (those keys
     only, never the rest of the environment), and the GPU topology table where one was read."""
-    client = MlflowClient(uri)
-    params = [Param(f"env.{name}", str(value)[:MAX_PARAM_LENGTH]) for name, value in env.items()]
-    for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+    params = {f"env.{name}": str(value)[:MAX_PARAM_LENGTH] for name, value in env.items()}
+    records = param_records(uri, run_id, params)
     if topology and topology.exists():
-        client.log_artifact(run_id, str(topology))
+        records.append(record(uri, run_id, artifact=str(topology)))
+    Spool(output_dir).deliver(records)
 
 
 def continue_run(uri: str, run_id: str | None) -> str | None:
@@ -221,54 +251,225 @@ def start_trial_run(uri: str, parent_run_id: str, name: str, layout: str) -> str
     return client.create_run(parent.info.experiment_id, run_name=name, tags=tags).info.run_id
 
 
-def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int,
+                output_dir: str | Path) -> None:
     """A few figures the parent computed (not the workers' stream), in one batch."""
     now = int(time.time() * 1000)
-    batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
-    MlflowClient(uri).log_batch(run_id, metrics=batch)
+    points = [[key, float(value), now, step] for key, value in metrics.items()]
+    Spool(output_dir).deliver([record(uri, run_id, metrics=points)])
 
 
-def finish_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:
+def finish_run(uri: str, run_id: str, status: str, output_dir: str | Path,
+               error: str | None = None) -> None:
     """Close the run as FINISHED, FAILED or KILLED; a failure's summary becomes a tag.
 
-    The final metrics are already in the run: rank 0 logs them at the last step.
+    The final metrics are already in the run (or spooled before the status): rank 0 logs them
+    at the last step.
     """
-    client = MlflowClient(uri)
-    if error:
-        client.set_tag(run_id, ERROR_TAG, error[:5000])
-    client.set_terminated(run_id, status)
+    records = [record(uri, run_id, tags={ERROR_TAG: error[:5000]})] if error else []
+    records.append(record(uri, run_id, status=status, end_time=int(time.time() * 1000)))
+    Spool(output_dir).deliver(records)
 
 
 def close_running(uri: str, experiment: str, output_dir: str, status: str, error: str) -> None:
     """End as `status` every run of `output_dir` still RUNNING: in a multi-node job the run is
     global rank 0's, whose id a parent never gets when rank 0 dies without closing it."""
     client = MlflowClient(uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
+    try:
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return
+        runs = client.search_runs(
+            [found.experiment_id],
+            filter_string=f"tags.`mgpu.output_dir` = '{output_dir}' and "
+                          "attributes.status = 'RUNNING'",
+        )
+    except MlflowException as e:  # the store is down: the runs stay RUNNING, the error stands
+        log.warning("could not close the runs of %s in MLflow: %s", output_dir, first_line(e))
         return
-    runs = client.search_runs(
-        [found.experiment_id],
-        filter_string=f"tags.`mgpu.output_dir` = '{output_dir}' and attributes.status = 'RUNNING'",
-    )
     for run in runs:
-        finish_run(uri, run.info.run_id, status, error=error)
+        finish_run(uri, run.info.run_id, status, output_dir, error=error)
+
+
+def short_http_retries() -> None:
+    """MLflow's HTTP client gives up within seconds (`HTTP_RETRY_ENV`) where the user has not
+    set its retries: the spool, not the client, rides out an outage of the store."""
+    for name, value in HTTP_RETRY_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+# A record, as written and as spooled: the store's `uri`, the `run_id` and one of "metrics"
+# ([key, value, timestamp, step] each), "params", "tags", "text" ({"text", "artifact_file"}),
+# "artifact" (a local path) or "status" (with "end_time").
+Record = dict[str, Any]
+
+
+def record(uri: str, run_id: str, **what: Any) -> Record:
+    return {"uri": uri, "run_id": run_id, **what}
+
+
+def param_records(uri: str, run_id: str, params: Mapping[str, str]) -> list[Record]:
+    """`params` in records of at most MLflow's batch limit."""
+    items = list(params.items())
+    return [record(uri, run_id, params=dict(items[i : i + MAX_PARAMS_PER_BATCH]))
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH)]
+
+
+def write_record(entry: Record) -> None:
+    """Write one record to its run; raises what the store raises."""
+    client = MlflowClient(entry["uri"])
+    run_id = entry["run_id"]
+    if "metrics" in entry:
+        client.log_batch(run_id, metrics=[Metric(*point) for point in entry["metrics"]])
+    if "params" in entry:
+        client.log_batch(run_id, params=[Param(k, v) for k, v in entry["params"].items()])
+    if "tags" in entry:
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in entry["tags"].items()])
+    if "text" in entry:
+        client.log_text(run_id, entry["text"]["text"], entry["text"]["artifact_file"])
+    if "artifact" in entry:
+        client.log_artifact(run_id, entry["artifact"])
+    if "status" in entry:
+        client.set_terminated(run_id, entry["status"], end_time=entry["end_time"])
+
+
+def refused(error: Exception) -> bool:
+    """Whether the store answered and refused a record (a 4xx: a param logged before with
+    another value, a run deleted): writing it again would fail again. Anything else (no
+    answer, 5xx, 429, a locked SQLite file) is an outage, which ends."""
+    if not isinstance(error, MlflowException):
+        return False
+    status = error.get_http_status_code()
+    return 400 <= status < 500 and status != 429
+
+
+def first_line(error: Exception, limit: int = 200) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
+class Spool:
+    """The records the store could not take, one JSON line each in the order they were logged,
+    in `SPOOL_FILE` of the job's output dir. Every write goes through it: while it holds
+    records, new ones are written after them (or join them), so the run gets every record in
+    order; it is removed once all it held was written.
+
+    The rank writing metrics, the parent closing the run and a user's `sync` may share it:
+    each holds a lock on the output dir while it reads and writes the spool.
+    """
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.dir = Path(output_dir)
+        self.path = self.dir / SPOOL_FILE
+
+    def pending(self) -> bool:
+        return self.path.exists()
+
+    def deliver(self, records: list[Record]) -> int:
+        """Write what the spool holds, then `records`; what the store cannot take now (the
+        first record it fails on and all after) is kept. Returns how many records are kept.
+
+        One warning when an outage starts (the spool was empty), one line when it ends.
+        """
+        with self._locked():
+            spooled = self.records()
+            pending = [*spooled, *records]
+            failed, error = write_in_order(pending)
+            if error is None:
+                if spooled:
+                    self.path.unlink()
+                    log.info("MLflow is back: wrote the %d records kept in %s", len(spooled),
+                             self.path)
+                return 0
+            if failed == 0:
+                self._append(records)
+            else:
+                self._rewrite(pending[failed:])
+            if not spooled:
+                log.warning(
+                    "MLflow at %s is unreachable (%s): training goes on; what it cannot take "
+                    "is kept in %s and written when it is back (or by python -m mgpu.tracking "
+                    "sync %s)", mask_credentials(pending[failed]["uri"]), first_line(error),
+                    self.path, self.dir)
+            return len(pending) - failed
+
+    def records(self) -> list[Record]:
+        if not self.path.exists():
+            return []
+        with self.path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def _append(self, records: list[Record]) -> None:
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in records)
+
+    def _rewrite(self, records: list[Record]) -> None:
+        part = self.path.with_suffix(".part")
+        with part.open("w") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in records)
+        os.replace(part, self.path)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def write_in_order(records: list[Record]) -> tuple[int, Exception | None]:
+    """Write `records` in order up to the first the store cannot take now: (its index, the
+    error), or (len(records), None). A record the store refuses is dropped with a warning."""
+    for i, entry in enumerate(records):
+        try:
+            write_record(entry)
+        except Exception as e:
+            if not refused(e):
+                return i, e
+            log.warning("MLflow refused a record of run %s (%s): dropped", entry["run_id"],
+                        first_line(e))
+    return len(records), None
+
+
+def sync(output_dir: Path) -> int:
+    """Write every spool under `output_dir` (a job's output dir, or a sweep's) to its store;
+    0 if all were written, 1 if some store is still unreachable (the rest stays spooled)."""
+    paths = sorted(output_dir.rglob(SPOOL_FILE))
+    if not paths:
+        print(f"nothing to sync: no {SPOOL_FILE} under {output_dir}")
+        return 0
+    code = 0
+    for path in paths:
+        spool = Spool(path.parent)
+        count = len(spool.records())
+        kept = spool.deliver([])
+        if kept:
+            print(f"{path}: MLflow still unreachable, {kept} records kept")
+            code = 1
+        else:
+            print(f"{path}: wrote {count} records")
+    return code
 
 
 class MetricLogger:
     """Queues metric points and writes them to MLflow in batches from a background thread."""
 
-    def __init__(self, uri: str, run_id: str, flush_every_s: float = 2.0) -> None:
-        self.client = MlflowClient(uri)
+    def __init__(self, uri: str, run_id: str, output_dir: str | Path,
+                 flush_every_s: float = 2.0) -> None:
+        self.uri = uri
         self.run_id = run_id
+        self.spool = Spool(output_dir)
         self.flush_every_s = flush_every_s
-        self.queue: queue.Queue[Metric | None] = queue.Queue()
+        self.queue: queue.Queue[list | None] = queue.Queue()
         self.thread = threading.Thread(target=self._drain, name="mgpu-metrics", daemon=True)
         self.thread.start()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         for key, value in metrics.items():
-            self.queue.put(Metric(key, float(value), now, step))
+            self.queue.put([key, float(value), now, step])
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Write everything still queued, then stop the thread.
@@ -283,7 +484,7 @@ class MetricLogger:
     def _drain(self) -> None:
         done = False
         while not done:
-            batch: list[Metric] = []
+            batch: list[list] = []
             deadline = time.monotonic() + self.flush_every_s
             while len(batch) < MAX_METRICS_PER_BATCH and (left := deadline - time.monotonic()) > 0:
                 try:
@@ -296,13 +497,15 @@ class MetricLogger:
                 batch.append(item)
             self._write(batch)
 
-    def _write(self, metrics: list[Metric]) -> None:
-        if not metrics:
+    def _write(self, points: list[list]) -> None:
+        """The batch, after what an outage left in the spool (retried at every flush)."""
+        if not (points or self.spool.pending()):
             return
+        records = [record(self.uri, self.run_id, metrics=points)] if points else []
         try:
-            self.client.log_batch(self.run_id, metrics=metrics)
-        except Exception as e:  # tracking trouble must not stop training
-            log.warning("could not log %d metric points to MLflow: %s", len(metrics), e)
+            self.spool.deliver(records)
+        except Exception as e:  # the spool itself failed (a full disk): training goes on
+            log.warning("could not write nor keep %d metric points: %s", len(points), e)
 
 
 class SweepRunCallback(Callback):
@@ -372,3 +575,20 @@ def end_sweep_run(status: str) -> None:
     uri = os.environ.pop(PARENT_URI_ENV, None)
     if run_id and uri:
         MlflowClient(uri).set_terminated(run_id, status)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mgpu.tracking",
+        description="Write to MLflow what a run kept while its tracking store was unreachable.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser(
+        "sync", help=f"write the {SPOOL_FILE} files under OUTPUT_DIR to their runs")
+    command.add_argument("output_dir", type=Path, help="a job's output dir, or a sweep's")
+    args = parser.parse_args(argv)
+    short_http_retries()
+    return sync(args.output_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -154,7 +154,7 @@ class Trainer:
         optimizer, scheduler = strategy.build_optimizer(options.optim, model, job.train.steps)
         tracker = None
         if runtime.is_main and run_id:
-            tracker = MetricLogger(job.tracking.uri, run_id)
+            tracker = MetricLogger(job.tracking.uri, run_id, job.output_dir)
         trainer = cls(
             train_cfg=job.train,
             eval_cfg=job.eval,

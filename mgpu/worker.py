@@ -114,10 +114,10 @@ def run_owned_by_rank0(
             # Where the agent may start another group (a node joins, or a retry), that group
             # continues the run; where it gives up, the nodes' parents close it.
             if not elastic.may_restart(job.launch):
-                tracking.finish_run(
-                    uri, run_id, "FAILED", error=f"rank 0: {type(e).__name__}: {e}")
+                tracking.finish_run(uri, run_id, "FAILED", job.output_dir,
+                                    error=f"rank 0: {type(e).__name__}: {e}")
             raise
-        tracking.finish_run(uri, run_id, "FINISHED")
+        tracking.finish_run(uri, run_id, "FINISHED", job.output_dir)
         return Outcome(runtime.rank, summary, job, run_id, owner)
     finally:
         shutdown()
@@ -134,7 +134,7 @@ def open_run(job: Job, options: Options, request: RunRequest, env: dict[str, str
         return resumed
     run_id = tracking.start_job_run(
         job, request.choices, request.overrides, tracking.data_params(options.data))
-    tracking.log_env(uri, run_id, env, Path(job.output_dir) / TOPOLOGY_FILE)
+    tracking.log_env(uri, run_id, env, job.output_dir, Path(job.output_dir) / TOPOLOGY_FILE)
     return run_id
 
 

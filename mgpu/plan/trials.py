@@ -54,12 +54,12 @@ def time_trial(job: Job, row: Row, index: int, steps: int, run_id: str | None,
         log.warning("trial %d (%s) failed: %s", index, row.candidate.name,
                     launch.describe_failure(e, trial))
         if child:
-            tracking.finish_run(uri, child, "FAILED")
+            tracking.finish_run(uri, child, "FAILED", trial.output_dir)
         return None
     summary = results[min(results)]
     if child:
-        tracking.log_metrics(uri, child, errors(row, summary), steps)
-        tracking.finish_run(uri, child, "FINISHED")
+        tracking.log_metrics(uri, child, errors(row, summary), steps, trial.output_dir)
+        tracking.finish_run(uri, child, "FINISHED", trial.output_dir)
     return summary.get("time/step_p50_s")
 
 

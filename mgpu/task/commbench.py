@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from mlflow.tracking import MlflowClient
 
 from mgpu.errors import ConfigError
 from mgpu.plan.machine import save_links
 from mgpu.runtime import Runtime
-from mgpu.tracking import MetricLogger
+from mgpu.tracking import MetricLogger, Spool, record
 
 if TYPE_CHECKING:
     from mgpu.config import Job, Options
@@ -109,7 +108,8 @@ class CommBench:
         self, job: Job, options: Options, runtime: Runtime, run_id: str | None
     ) -> dict[str, float]:
         """Every op at every size; rank 0 logs each point (step = size in bytes) and the table."""
-        tracker = MetricLogger(job.tracking.uri, run_id) if runtime.is_main and run_id else None
+        tracker = (MetricLogger(job.tracking.uri, run_id, job.output_dir)
+                   if runtime.is_main and run_id else None)
         sizes = message_sizes(self.min_bytes, self.max_bytes, self.factor, runtime.world_size)
         log.info("commbench: %s on %d rank(s), %d to %d bytes", ", ".join(self.ops),
                  runtime.world_size, sizes[0], sizes[-1])
@@ -130,7 +130,8 @@ class CommBench:
             if tracker:
                 tracker.log(summary, 0)
                 tracker.close()
-                MlflowClient(job.tracking.uri).log_artifact(run_id, str(path))
+                Spool(job.output_dir).deliver(
+                    [record(job.tracking.uri, run_id, artifact=str(path))])
         return summary
 
     def seconds_per_call(self, op: str, size_bytes: int, runtime: Runtime) -> float:
