@@ -64,6 +64,8 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MASK = "***"
 # Query parameters of a store URI whose values are credentials (postgresql://h/db?password=…).
 CREDENTIAL_WORDS = ("password", "passwd", "secret", "token")
+# Environment variables whose values are credentials (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
+SECRET_ENV_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 URI_KEY = "tracking.uri"
 SPOOL_FILE = "tracking_spool.jsonl"
 # MLflow's HTTP client retries a failed request 7 times, backing off up to 2 minutes (~4 min
@@ -219,12 +221,21 @@ def data_params(data: object) -> dict[str, str]:
 def log_env(uri: str, run_id: str, env: Mapping[str, str], output_dir: str | Path,
             topology: Path | None = None) -> None:
     """The variables the network group set for the workers, as `env.<NAME>` params (those keys
-    only, never the rest of the environment), and the GPU topology table where one was read."""
-    params = {f"env.{name}": str(value)[:MAX_PARAM_LENGTH] for name, value in env.items()}
+    only, never the rest of the environment; a credential's value masked), and the GPU
+    topology table where one was read."""
+    params = {f"env.{name}": env_value(name, value) for name, value in env.items()}
     records = param_records(uri, run_id, params)
     if topology and topology.exists():
         records.append(record(uri, run_id, artifact=str(topology)))
     Spool(output_dir).deliver(records)
+
+
+def env_value(name: str, value: object) -> str:
+    """`value` as its `env.<NAME>` param shows it: masked where the name says it is a
+    credential (everyone who can read the store reads params)."""
+    if any(word in name.upper() for word in SECRET_ENV_WORDS):
+        return MASK
+    return str(value)[:MAX_PARAM_LENGTH]
 
 
 def continue_run(uri: str, run_id: str | None) -> str | None:

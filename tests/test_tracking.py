@@ -39,3 +39,20 @@ def test_credentials_are_masked_and_the_rest_of_the_uri_kept():
         "postgresql://db.example/mlflow?user=me&password=***&sslmode=require"
     for plain in ("sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000", "databricks"):
         assert mask(plain) == plain
+
+
+def test_env_values_whose_names_say_secret_are_masked(tmp_path):
+    """An `env.<NAME>` param never shows the value of a variable named like a credential;
+    the others are logged as set."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("env")).info.run_id
+    secret = {"HF_TOKEN": "t0k", "AWS_SECRET_ACCESS_KEY": "s3c", "WANDB_API_KEY": "k3y",
+              "DB_PASSWORD": "pw", "GOOGLE_APPLICATION_CREDENTIALS": "/keys/me.json",
+              "my_token": "low"}
+    plain = {"NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    tracking.log_env(uri, run_id, {**secret, **plain}, tmp_path / "out")
+
+    params = client.get_run(run_id).data.params
+    assert {name: params[f"env.{name}"] for name in secret} == dict.fromkeys(secret, "***")
+    assert {name: params[f"env.{name}"] for name in plain} == plain
