@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu import checkpoint, elastic, tracking
 from mgpu.config import Job, Options
-from mgpu.monitor.system import system_metrics
+from mgpu.monitor.system import node_id, system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
 from mgpu.runtime import Runtime, init_runtime, join_group, setup_logging, shutdown
 
@@ -102,13 +102,15 @@ def run_owned_by_rank0(
             runtime, output_dir=Path(job.output_dir), membership=membership)
         setup_logging(runtime.rank, runtime.output_dir)
         if not (runtime.is_main and run_id):
-            summary = start_task(job, options, runtime, None)
+            sampled = run_id if runtime.local_rank == 0 else None  # one sampler per node
+            with system_metrics(job.tracking, job.monitor.interval_s, sampled, node_id()):
+                summary = start_task(job, options, runtime, None)
             return Outcome(runtime.rank, summary, job, run_id, owner)
         uri = job.tracking.uri
         # The launcher ends a failed group with SIGTERM: an exception, so the run closes.
         signal.signal(signal.SIGTERM, _raise_terminated)
         try:
-            with system_metrics(job.tracking, job.monitor.interval_s, run_id):
+            with system_metrics(job.tracking, job.monitor.interval_s, run_id, node_id()):
                 summary = start_task(job, options, runtime, run_id)
         except BaseException as e:
             # Where the agent may start another group (a node joins, or a retry), that group

@@ -209,3 +209,18 @@ def test_a_node_leaves_and_another_joins_in_one_run(tmp_path):
         torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval/loss"] == pytest.approx(reference["eval/loss"], abs=1e-6)
+
+
+def test_each_node_samples_its_own_system_metrics_under_its_node_id(tmp_path):
+    """With `tracking.system_metrics`, every node's local rank 0 samples its machine into the
+    run, the keys naming the node (`system/node1/...`); one node's figures never stand for the
+    job's."""
+    nodes = start_nodes(tmp_path, "tracking.system_metrics=true", "monitor.interval_s=0.5",
+                        "train.steps=60", "straggler.jitter_s=0.05")  # a few seconds
+    for code, _, stderr in nodes:
+        assert code == 0, stderr[-3000:]
+    [run] = mlflow_runs(tmp_path)
+    system = {key for key in run.data.metrics if key.startswith("system/")}
+    for node in ("node0", "node1"):
+        assert f"system/{node}/cpu_utilization_percentage" in system, sorted(system)
+    assert not [key for key in system if not key.startswith(("system/node0/", "system/node1/"))]
