@@ -17,7 +17,9 @@ only DCP's own metadata classes, and non-tensor values load with `torch.load(wei
 What a checkpoint holds: the model (`get_model_state_dict`, so sharded strategies save their
 shards) and the optimizer, both keyed by the model's own parameter names under every strategy
 (a pipeline's stages too; zero1 each rank its own partition), lr scheduler, precision (grad
-scaler), balance, step and data position (global sample index: valid at any world size), and
+scaler), balance, step and data position (global sample index: valid at any world size),
+under `strategy.schedule=2bw` each stage's older weight version (keyed as the model; a run
+resumed from a checkpoint without one starts it as the loaded weights), and
 per rank, under `rank<r>`, the compression state and the torch/numpy/python RNG states. A rank
 that did not exist when the checkpoint was saved starts with fresh per-rank state.
 
@@ -195,6 +197,12 @@ def check_resume_shapes(job: Job, model: torch.nn.Module) -> None:
         )
 
 
+def saved_keys(path: Path, prefix: str) -> list[str]:
+    """The keys of the checkpoint at `path` that start with `prefix` (flattened, dotted)."""
+    saved = SafeReader(path).read_metadata().state_dict_metadata
+    return [key for key in saved if key.startswith(prefix)]
+
+
 def restart_count() -> int:
     """How many times this invocation's worker group was restarted (0: its first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -363,6 +371,9 @@ def train_state(trainer: Trainer, step: int, with_rank_state: bool = True) -> di
         "balance": pack(trainer.balance.state_dict()),
         "progress": {"step": step, "data": trainer.batches.state_dict()},
     }
+    pipe = trainer.strategy.pipe
+    if pipe is not None and pipe.older is not None:  # PipeDream-2BW's older weight version
+        state["older"] = trainer.strategy.model_state_dict(pipe.older)
     if with_rank_state:
         state[f"rank{trainer.runtime.rank}"] = pack(
             {"rng": rng_state(), "compression": trainer.compression.state_dict()}
@@ -375,6 +386,11 @@ def apply_train_state(trainer: Trainer, state: dict[str, Any], with_rng: bool = 
     rank's random states only `with_rng`: saved by the same layout."""
     trainer.strategy.load_model_state_dict(trainer.model, state["model"])
     trainer.strategy.load_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+    pipe = trainer.strategy.pipe
+    if "older" in state:
+        trainer.strategy.load_model_state_dict(pipe.older, state["older"])
+    elif pipe is not None and pipe.older is not None:  # saved by a schedule without one
+        pipe.restart_delay()
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.precision.load_state_dict(state["precision"])
     trainer.balance.load_state_dict(unpack(state["balance"]))
@@ -572,6 +588,8 @@ class Checkpointer:
         same_layout = saved_world == self.runtime.world_size and saved_layout in (
             None, layout_of(trainer))
         state = train_state(trainer, 0, with_rank_state=self.runtime.rank < saved_world)
+        if "older" in state and not saved_keys(Path(source), "older."):
+            del state["older"]  # the older version starts as the loaded weights
         dcp.load(state, storage_reader=SafeReader(source), planner=WeightsOnlyLoadPlanner(),
                  process_group=self.group)
         step = apply_train_state(trainer, state, with_rng=same_layout)

@@ -41,6 +41,10 @@ class Schedule:
     microbatch_rule: str = ""
     #: Backward split in two (zero bubble): input gradients first, weight gradients later.
     split_backward: bool = False
+    #: PipeDream-2BW's update: each step's forward and backward run on the weights one
+    #: optimizer step older than the stages' newest, W(t+1) = W(t) - lr·∇f(W(t-1)), two weight
+    #: versions per stage (a schedule of its own, not torch's: `torch_class` runs its steps).
+    stale: bool = False
 
 
 SCHEDULES = {
@@ -52,6 +56,8 @@ SCHEDULES = {
                                microbatch_rule="rounds", split_backward=True),
     "zbv": Schedule("ScheduleZBVZeroBubble", "2.6", 2, "v", "stages", split_backward=True),
     "dualpipev": Schedule("ScheduleDualPipeV", "2.9", 2, "v", "stages", split_backward=True),
+    # Its steps run as 1F1B's, flushed: the update rule is 2BW's, the overlap is not yet.
+    "2bw": Schedule("Schedule1F1B", "2.4", stale=True),
 }
 # Most dims of the logits `predict` hands every rank: (batch, classes) or (batch, tokens, vocab).
 MAX_DIMS = 4
@@ -88,11 +94,12 @@ def schedule_class(schedule: str, available: object = pipelining) -> type:
 
 
 def check_pipeline(
-    global_batch: int, schedule: str, microbatches: int, pp: int, dp: int, sharded: bool = False
+    global_batch: int, schedule: str, microbatches: int, pp: int, dp: int, sharded: bool = False,
+    tp: int = 1,
 ) -> None:
     """The rules a pipeline of `pp` ranks puts on its own settings (parent, before launch),
-    its stages `sharded` by FSDP2 or not; those it puts on other groups are in
-    `mgpu.support`."""
+    its stages `sharded` by FSDP2 or not and split over `tp` ranks; those it puts on other
+    groups are in `mgpu.support`."""
     local_batch = global_batch // dp
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule}: use one of {', '.join(SCHEDULES)}")
@@ -104,6 +111,12 @@ def check_pipeline(
             f"gradients torch's split backward (input gradients now, weight gradients later) "
             f"leaves wrong (torch {torch.__version__}, against one process); with "
             f"strategy=hybrid use gpipe, 1f1b, interleaved_1f1b or looped_bfs, or strategy=pp"
+        )
+    if spec.stale and (sharded or tp > 1):
+        raise ConfigError(
+            f"strategy.schedule={schedule}: keeps each stage's older weight version by "
+            f"swapping plain tensors with the stage's own, which FSDP2's sharded and tensor "
+            f"parallelism's DTensor parameters do not allow; use strategy=pp"
         )
     if microbatches < pp:
         raise ConfigError(
@@ -179,6 +192,12 @@ class Pipeline:
             for s in self.stage_ids
         )
         self.schedule_class = schedule_class(schedule)
+        # PipeDream-2BW: the older weight version of this rank's stages, W(t-1), which the
+        # step's forward and backward run on (None: every other schedule, on the newest).
+        self.older: Stages | None = None
+        if SCHEDULES[schedule].stale:
+            self.older = copy.deepcopy(self.modules).requires_grad_(False)
+        self.on_older = False  # the stages hold the older version (inside an optimizer step)
         # Set for each step: the factor the loss is multiplied by before the schedule's
         # backward (amp's loss scale; None: not scaled), and the number the step's micro-batch
         # mean is divided by (the trainer's train.grad_accum micro-batches per optimizer step).
@@ -318,10 +337,15 @@ class Pipeline:
         self.loss_scale, self.divisor = loss_scale, divisor
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
+        if self.older is not None and not self.on_older:
+            self.swap_versions()
         self.schedule.step(*args, target=labels, losses=losses)
         if not self.accumulate:
             self.divide_gradients()
             self.add_tied_gradients()
+            if self.older is not None:
+                self.swap_versions()
+                self.restart_delay()
         self.steps.append((start, self.clock.mark()))
         last = self.holds_last
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
@@ -331,6 +355,29 @@ class Pipeline:
             loss = loss / loss_scale
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
+
+    def swap_versions(self) -> None:
+        """PipeDream-2BW: the stages' weights and the older version trade places (their
+        storage, not their values: no copy), so the schedule runs on the older one and the
+        gradients land on the stages' own parameters, which the optimizer steps.
+
+        Autocast keeps the low-precision copy of each weight it cast, keyed by the parameter,
+        until its region ends: copies cast before the swap (the stages' shapes found at the
+        first step) are dropped, or the step would run on the other version's."""
+        for own, older in zip(self.modules.parameters(), self.older.parameters(), strict=True):
+            own.data, older.data = older.data, own.data
+        torch.clear_autocast_cache()
+        self.on_older = not self.on_older
+
+    def restart_delay(self) -> None:
+        """The older version set to the stages' weights: after a step's gradients are taken
+        (the optimizer then moves the stages from W(t) to W(t+1), and the next step's gradient
+        is taken at W(t)), and where a run starts from weights without an older version (a
+        fresh run, W(-1) = W(0); a checkpoint of another schedule)."""
+        with torch.no_grad():
+            for own, older in zip(self.modules.parameters(), self.older.parameters(),
+                                  strict=True):
+                older.copy_(own)
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits for a whole batch, passed stage to stage (any batch size, no micro-batches).

@@ -28,6 +28,8 @@ cell's options state:
   chunk owners). With PowerSGD the same holds for the error memory, and its warm-start Q and
   random draws are kept per lane: s + 1 of them, step t on lane t mod (s + 1), each drawing
   its first Q from its own generator (seeded as torch's state is);
+- a stale pipeline schedule (PipeDream-2BW): step t's gradient is taken at the weights before
+  step t - 1, W(t+1) = W(t) - lr·∇f(W(t-1)), the initial weights standing for W(-1);
 - amp: the loss is scaled before backward and the gradients unscaled before the step; a step
   with inf/NaN gradients is skipped and the scale set to `backoff` times the smaller of the
   current scale and the one the gradients carried; `growth_interval` clean steps in a row
@@ -72,6 +74,7 @@ from mgpu.compression.powersgd import PowerSGD
 from mgpu.config import Job, Options
 from mgpu.loss import IGNORED_LABEL
 from mgpu.parallel import FSDPOptions
+from mgpu.pipeline import SCHEDULES
 from mgpu.precision.amp import AMP
 from mgpu.precision.bf16 import BF16
 
@@ -141,11 +144,16 @@ def reference(job: Job, batches: list[list[list[Batch]]],
     if isinstance(plan.data_parallel, FSDPOptions):
         compute_dtype = options.precision.param_dtype
     pieces = plan.pipeline.microbatches if plan.pipeline else 1
+    stale = plan.pipeline is not None and SCHEDULES[plan.pipeline.schedule].stale
+    older = copy.deepcopy(model) if stale else None  # the weights before the last step
     rule = Rule(options, len(batches), dict(zip(names, params, strict=True)), buckets)
     for step in range(len(batches[0])):
         positions = step_positions(batches, step)
-        grads = [rank_gradient(model, rank[step], positions, len(batches), options.precision,
+        at = older if stale else model
+        grads = [rank_gradient(at, rank[step], positions, len(batches), options.precision,
                                rule.scale, compute_dtype, pieces) for rank in batches]
+        if stale:
+            older = copy.deepcopy(model)
         averaged = rule.combine(grads)
         applied = False
         if averaged is not None:

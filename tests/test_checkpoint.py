@@ -196,11 +196,13 @@ def test_a_pipeline_checkpoint_resumes_under_another_layout(tmp_path):
     """Saved by a 2-stage 1F1B pipeline, the checkpoint holds the model's own parameter names:
     ddp and fsdp resume its step 4 and end where the pipeline ended (the momentum buffers
     carried over too, fsdp with its own optimizer kernels), and interleaved 1F1B (4 stages,
-    cut otherwise) loads its step 8 exactly."""
+    cut otherwise) and 2bw (whose older weight version the checkpoint lacks: it starts as the
+    loaded weights) load its step 8 exactly."""
     _, piped = launch_job([*LAYOUT, "strategy=pp"], tmp_path / "pp")
     saved = tmp_path / "pp" / "checkpoints"
     resumed = {"ddp": (["strategy=ddp"], 4), "fsdp": (["strategy=fsdp"], 4),
-               "interleaved": (["strategy=pp", "strategy.schedule=interleaved_1f1b"], 8)}
+               "interleaved": (["strategy=pp", "strategy.schedule=interleaved_1f1b"], 8),
+               "2bw": (["strategy=pp", "strategy.schedule=2bw"], 8)}
     for name, (strategy, step) in resumed.items():
         run = tmp_path / name
         root = run / "checkpoints"

@@ -3,6 +3,7 @@ evaluates with the last stage's logits, and the saved weights are the model's ow
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,70 @@ def test_pipeline_batchnorm_statistics_count_each_micro_batch_once(tmp_path):
         for name, buffer in results[rank].items():
             torch.testing.assert_close(buffer, whole[name], rtol=1e-6, atol=1e-7,
                                        msg=f"rank {rank}: {name}")
+
+
+#: PipeDream-2BW's test: steps, and an lr large enough that one step of staleness shows.
+STALE_STEPS, STALE_LR = 4, 0.5
+
+
+def stale_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A batch of 4 token sequences and their labels per step, the same on every rank."""
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(16, (STALE_STEPS, 4, 8), generator=gen)
+    labels = torch.randint(16, (STALE_STEPS, 4, 8), generator=gen)
+    return list(zip(tokens, labels, strict=True))
+
+
+def train_2bw_on_two_stages(output_dir: str) -> dict[str, torch.Tensor]:
+    """On each of 2 ranks: STALE_STEPS steps of schedule 2bw (2 micro-batches each), each rank
+    stepping its own stage's SGD with momentum; returns this rank's stage's weights by the
+    whole model's names."""
+    runtime = init_runtime(output_dir, 60)
+    try:
+        pipe = Pipeline(language_model(), dist.group.WORLD, runtime.device, "2bw", 2,
+                        lambda s: s)
+        [stage] = pipe.modules
+        optimizer = torch.optim.SGD(stage.parameters(), lr=STALE_LR, momentum=0.9)
+        for tokens, labels in stale_batches():
+            pipe.forward_backward(tokens, labels)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return {name: p.detach().clone() for name, p in stage.named_parameters()}
+    finally:
+        shutdown()
+
+
+def one_process_weights(delay: int) -> dict[str, torch.Tensor]:
+    """One process, from the definitions: each step's gradient (the mean over its 2
+    micro-batches) taken at the weights of `delay` steps before, W(t+1) = W(t) - lr·g(W(t -
+    delay)) with SGD's momentum, the weights before the first step standing for earlier ones."""
+    model = language_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=STALE_LR, momentum=0.9)
+    versions = [copy.deepcopy(model)] * (delay + 1)  # W(t - delay) .. W(t)
+    for tokens, labels in stale_batches():
+        at = versions[0]
+        at.zero_grad(set_to_none=True)
+        for x, y in zip(tokens.tensor_split(2), labels.tensor_split(2), strict=True):
+            (F.cross_entropy(at(x).flatten(0, -2), y.flatten()) / 2).backward()
+        for param, taken in zip(model.parameters(), at.parameters(), strict=True):
+            param.grad = taken.grad.clone()
+        optimizer.step()
+        versions = [*versions[1:], copy.deepcopy(model)]
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+@pytest.mark.dist
+def test_2bw_applies_each_step_the_gradient_of_the_weights_one_step_older(tmp_path):
+    """PipeDream-2BW's update, W(t+1) = W(t) - lr·∇f(W(t-1)), on 2 stages: every weight of
+    both ranks (the tied embedding's two copies too) is one process's applying that rule, and
+    far from the synchronous update's (so the test tells the two apart)."""
+    results = launch_ranks(train_2bw_on_two_stages, 2, "stale", str(tmp_path))
+    stale, synchronous = one_process_weights(delay=1), one_process_weights(delay=0)
+    assert "tok_emb.weight" in results[0] and "tok_emb.weight" in results[1]
+    for rank in (0, 1):
+        for name, weight in results[rank].items():
+            torch.testing.assert_close(weight, stale[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}: {name}")
+    off = max(float((results[rank][name] - synchronous[name]).abs().max())
+              for rank in (0, 1) for name in results[rank])
+    assert off > 1e-3, off

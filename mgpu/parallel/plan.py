@@ -50,7 +50,8 @@ class PipelineOptions:
     """The model cut into stages along the pp dim, driven by a pipelining schedule."""
 
     #: A key of `mgpu.pipeline.SCHEDULES`: gpipe | 1f1b (one stage per rank) | interleaved_1f1b |
-    #: looped_bfs | interleaved_zb (two stages per rank, looped) | zbv | dualpipev (two, in a V).
+    #: looped_bfs | interleaved_zb (two stages per rank, looped) | zbv | dualpipev (two, in a V) |
+    #: 2bw (PipeDream-2BW's one-step-stale update, one stage per rank).
     schedule: str = "1f1b"
     #: Micro-batches per step.
     microbatches: int = 4
@@ -113,7 +114,7 @@ class ParallelPlan:
         if self.pipeline is not None:
             schedule, microbatches = self.pipeline.schedule, self.pipeline.microbatches
             check_pipeline(data.batch_size, schedule, microbatches, self.pp, self.dp,
-                           self.shards)
+                           self.shards, self.tp)
             stages = PipelineStages(self.pp, stages_per_rank(schedule), schedule)
         if self.tp > 1 or stages > 1:
             import_target(model_node["_target_"]).check_parallel(

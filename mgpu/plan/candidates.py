@@ -71,7 +71,9 @@ def microbatch_counts(pp: int, local_batch: int) -> list[int]:
 
 
 def pipeline_settings(pp: int, local_batch: int) -> Iterator[dict[str, Any]]:
-    for schedule in SCHEDULES:
+    """Every synchronous schedule: a stale one (2bw) computes another update, which is the
+    user's choice to make, not the planner's."""
+    for schedule in (name for name, spec in SCHEDULES.items() if not spec.stale):
         for microbatches in microbatch_counts(pp, local_batch):
             yield {"schedule": schedule, "microbatches": microbatches}
 
