@@ -87,20 +87,28 @@ def test_error_feedback_loses_nothing_across_steps_and_rebucketing(one_rank_grou
     )
     compression = RecordingOneBit()
     model.register_comm_hook(*compression.comm_hook(model))
+    layouts = train_on_random_batches(model, compression)
+    assert len(layouts) > 1, "DDP did not re-bucket: the test lost its point"
+    for name, true in compression.true_sum.items():
+        kept = compression.sent_sum[name] + compression.residuals[name]
+        torch.testing.assert_close(kept, true, rtol=0, atol=1e-5, msg=name)
+    assert set(compression.state_dict()["residuals"]) == set(compression.true_sum)
+
+
+def train_on_random_batches(model: nn.Module, compression: RecordingOneBit, steps: int = 8
+                            ) -> set[tuple]:
+    """`steps` SGD steps of `model` on random batches through `compression`'s hook; returns
+    the bucket layouts DDP handed the hook (it re-buckets after its first step)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     layouts = set()
-    for _ in range(8):
+    for _ in range(steps):
         loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
         loss.backward()
         optimizer.step()
         compression.end_step(applied=True)
         optimizer.zero_grad()
         layouts.add(tuple(names for names, _ in compression.flat.values()))
-    assert len(layouts) > 1, "DDP did not re-bucket: the test lost its point"
-    for name, true in compression.true_sum.items():
-        kept = compression.sent_sum[name] + compression.residuals[name]
-        torch.testing.assert_close(kept, true, rtol=0, atol=1e-5, msg=name)
-    assert set(compression.state_dict()["residuals"]) == set(compression.true_sum)
+    return layouts
 
 
 @pytest.mark.dist
@@ -115,13 +123,7 @@ def test_error_feedback_loses_nothing_when_applied_steps_later(one_rank_group):
     compression = RecordingOneBit()
     model.register_comm_hook(*compression.comm_hook(model))
     compression.applied_after(2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(8):
-        loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
-        loss.backward()
-        optimizer.step()
-        compression.end_step(applied=True)
-        optimizer.zero_grad()
+    train_on_random_batches(model, compression)
     in_flight = compression.state_dict()["pending"]
     assert sorted(in_flight) == [6, 7]
     for name, true in compression.true_sum.items():
