@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ConfigError
@@ -150,6 +151,33 @@ def scales_grads(schedule: type) -> bool:
     return "scale_grads" in inspect.signature(schedule.__init__).parameters
 
 
+# The pipeline whose schedule step runs now in this process (None: none), whose marks the
+# schedule's waits on its sends and receives go to (`watch_transfers`).
+_stepping: Pipeline | None = None
+
+
+def watch_transfers() -> None:
+    """Mark every wait torch's schedules make on their sends and receives, for the pipeline
+    stepping now: the schedules call `_wait_batch_p2p` by its module's name at each wait, so it
+    is wrapped there, once per process; what it waits on and how is left as it is."""
+    wait = torch_schedules._wait_batch_p2p
+    if getattr(wait, "marks_transfers", False):
+        return
+
+    def marked(work: list) -> None:
+        pipe = _stepping
+        if pipe is None:
+            return wait(work)
+        start = pipe.clock.mark()
+        try:
+            return wait(work)
+        finally:
+            pipe.waits.append((start, pipe.clock.mark()))
+
+    marked.marks_transfers = True
+    torch_schedules._wait_batch_p2p = marked
+
+
 class Stages(nn.ModuleList):
     """This rank's pipeline stages: what the run trains and checkpoints. The list itself is
     never called (the schedule calls each stage), so what must act on a stage's compute hooks
@@ -222,6 +250,8 @@ class Pipeline:
         self.clock = clock_for(device)
         self.busy: list[tuple] = []
         self.steps: list[tuple] = []
+        # The schedule's waits on its sends and receives (`watch_transfers`).
+        self.waits: list[tuple] = []
 
     def build_schedule(self, inputs: torch.Tensor) -> None:
         """The stages and their schedule, each stage given its input and output shapes and
@@ -243,6 +273,7 @@ class Pipeline:
             if hasattr(stage, "backward_weight_one_chunk"):
                 stage.backward_weight_one_chunk = self.timed(stage.backward_weight_one_chunk,
                                                              "weight")
+        watch_transfers()
         no_scaling = {"scale_grads": False} if scales_grads(self.schedule_class) else {}
         self.schedule = self.schedule_class(
             stages if len(stages) > 1 else stages[0], n_microbatches=self.microbatches,
@@ -339,7 +370,7 @@ class Pipeline:
         args = (inputs,) if self.rank == 0 else ()
         if self.older is not None and not self.on_older:
             self.swap_versions()
-        self.schedule.step(*args, target=labels, losses=losses)
+        self.schedule_step(*args, target=labels, losses=losses)
         if not self.accumulate:
             self.divide_gradients()
             self.add_tied_gradients()
@@ -355,6 +386,15 @@ class Pipeline:
             loss = loss / loss_scale
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
+
+    def schedule_step(self, *args, **kwargs) -> None:
+        """The schedule's step, its waits on sends and receives marked as this pipeline's."""
+        global _stepping
+        _stepping = self
+        try:
+            self.schedule.step(*args, **kwargs)
+        finally:
+            _stepping = None
 
     def swap_versions(self) -> None:
         """PipeDream-2BW: the stages' weights and the older version trade places (their
@@ -463,19 +503,28 @@ class Pipeline:
         return tensor
 
     def bubble_metrics(self) -> dict[str, float]:
-        """Share of step time this rank's stages were not computing, mean over all ranks.
+        """Share of step time this rank's stages were not computing, mean over all ranks, and
+        its two parts: the schedule's waits on its sends and receives (transfer), and the rest
+        (schedule: between computes and waits, the schedule's own work and order).
 
         Reads the marks since the last call: on CUDA the events are complete by now (the log
         point has waited for the device), so no micro-batch ever waited for one.
         """
-        busy_s = sum(self.clock.seconds(start, end) for start, end in self.busy)
-        step_s = sum(self.clock.seconds(start, end) for start, end in self.steps)
-        self.busy.clear()
-        self.steps.clear()
-        idle = torch.tensor([1 - busy_s / step_s if step_s else 0.0], device=self.device)
-        dist.all_reduce(idle)
+        busy_s, step_s, wait_s = (
+            sum(self.clock.seconds(start, end) for start, end in marks)
+            for marks in (self.busy, self.steps, self.waits)
+        )
+        for marks in (self.busy, self.steps, self.waits):
+            marks.clear()
+        idle = 1 - busy_s / step_s if step_s else 0.0
+        transfer = min(wait_s / step_s, idle) if step_s else 0.0
+        shares = torch.tensor([idle, transfer], device=self.device, dtype=torch.float64)
+        dist.all_reduce(shares)
+        idle, transfer = (shares / dist.get_world_size()).tolist()
         return {
-            "pp/bubble_fraction": idle.item() / dist.get_world_size(),
+            "pp/bubble_fraction": idle,
+            "pp/bubble_transfer_fraction": transfer,
+            "pp/bubble_schedule_fraction": idle - transfer,
             "pp/bubble_fraction_theory": self.theory_bubble,
         }
 

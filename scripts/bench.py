@@ -612,6 +612,7 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
               "optim.schedule=constant"]
     keep = ("train/samples_per_s", "comm/bytes_per_step", "memory/param_bytes_per_rank",
             "memory/optimizer_bytes_per_rank", "memory/peak_bytes", "pp/bubble_fraction",
+            "pp/bubble_transfer_fraction", "pp/bubble_schedule_fraction",
             "pp/bubble_fraction_theory", "eval/loss", "eval/accuracy")
     samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
     figures: dict[str, dict] = {}

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed import pipelining
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -233,6 +234,56 @@ def test_pipeline_bubble_is_the_idle_share_measured_from_stage_marks(layout, tmp
     logged = results[0]["summary"]["pp/bubble_fraction"]
     assert 0 < measured < 1
     assert logged == pytest.approx(measured, abs=0.02), (logged, measured)
+
+
+class SlowWork:
+    """A send or receive whose wait first sleeps `delay_s`: a slow link, in the test only."""
+
+    def __init__(self, work, delay_s: float) -> None:
+        self.work, self.delay_s = work, delay_s
+
+    def wait(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        return self.work.wait(*args, **kwargs)
+
+
+def train_with_slow_transfers(job, delay_s: float) -> dict:
+    """Per rank: the job's summary, every send and receive the schedules issue waited on
+    `delay_s` longer (0: as they are)."""
+    if delay_s:
+        issue = torch_schedules._batch_p2p
+
+        def slow(*args, **kwargs):
+            return [SlowWork(work, delay_s) for work in issue(*args, **kwargs)]
+
+        torch_schedules._batch_p2p = slow
+    summary, _ = train_on_this_rank(job)
+    return summary
+
+
+@pytest.mark.dist
+def test_pipeline_bubble_splits_into_schedule_and_transfer_waits(tmp_path, monkeypatch):
+    """On 2 gloo stages the bubble's two parts are shares of the step that add up to it, and
+    transfers made 50 ms slower each (far longer than a micro-batch's compute here) move the
+    idle time into the transfer part."""
+    job = make_job([*GPT, "strategy=pp", "strategy.schedule=1f1b", "train.steps=6",
+                    "train.warmup_steps=0", "train.log_every=3", "checkpoint.every_steps=0"],
+                   tmp_path)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="bubble-split",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                          start_method="spawn", monitor_interval=0.1, max_restarts=0)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as mgpu.launch does
+    parts = {}
+    for delay_s in (0.0, 0.05):
+        summary = elastic_launch(config, train_with_slow_transfers)(job, delay_s)[0]
+        total = summary["pp/bubble_fraction"]
+        transfer = summary["pp/bubble_transfer_fraction"]
+        schedule = summary["pp/bubble_schedule_fraction"]
+        assert 0 <= transfer <= 1 and 0 <= schedule <= 1, summary
+        assert transfer + schedule == pytest.approx(total, abs=1e-6), summary
+        parts[delay_s] = transfer
+    assert parts[0.05] > 0.5
+    assert parts[0.05] > parts[0.0], parts
 
 
 @pytest.mark.dist
