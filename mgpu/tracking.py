@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,12 @@ from hydra.experimental.callback import Callback
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+)
 from omegaconf import DictConfig, OmegaConf
 
 from mgpu.config import Job, parse_nnodes, resolve_tracking_uri
@@ -56,9 +63,9 @@ log = logging.getLogger(__name__)
 PARENT_RUN_ENV = "MGPU_SWEEP_PARENT_RUN_ID"
 PARENT_URI_ENV = "MGPU_SWEEP_TRACKING_URI"
 ERROR_TAG = "mgpu.error"
-MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
-MAX_PARAM_LENGTH = 6000
+# The runs table's name column holds 250 characters (SQLite ignores it, other databases refuse).
+MAX_RUN_NAME_LENGTH = 250
 # The MLflow 3 UI opens experiments without this tag in its GenAI view.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MASK = "***"
@@ -176,10 +183,11 @@ def create_job_run(job: Job, choices: Mapping[str, str], overrides: list[str]) -
     tags["mgpu.output_dir"] = job.output_dir
     if os.environ.get(PARENT_RUN_ENV):
         tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
+    name = tracking.run_name or " ".join(overrides) or "defaults"
     run = client.create_run(
         experiment_id(client, tracking.experiment),
-        run_name=tracking.run_name or " ".join(overrides) or "defaults",
-        tags=tags,
+        run_name=shortened(name, MAX_RUN_NAME_LENGTH),
+        tags=tags_within_limits(tags),
     )
     client.log_text(run.info.run_id, OmegaConf.to_yaml(list(overrides)), "overrides.yaml")
     return run.info.run_id
@@ -191,11 +199,7 @@ def log_job_config(job: Job, run_id: str, extra_params: Mapping[str, str] | None
     uri = job.tracking.uri
     config = public_config(job)
     values = {**flatten(config), **world_size_param(job), **(extra_params or {})}
-    params = {
-        key: str(value)[:MAX_PARAM_LENGTH]
-        for key, value in values.items()
-        if not key.endswith("_target_")
-    }
+    params = {key: value for key, value in values.items() if not key.endswith("_target_")}
     text = {"text": OmegaConf.to_yaml(config), "artifact_file": "config.yaml"}
     Spool(job.output_dir).deliver([*param_records(uri, run_id, params),
                                    record(uri, run_id, text=text)])
@@ -235,7 +239,7 @@ def env_value(name: str, value: object) -> str:
     credential (everyone who can read the store reads params)."""
     if any(word in name.upper() for word in SECRET_ENV_WORDS):
         return MASK
-    return str(value)[:MAX_PARAM_LENGTH]
+    return str(value)
 
 
 def continue_run(uri: str, run_id: str | None) -> str | None:
@@ -277,7 +281,7 @@ def finish_run(uri: str, run_id: str, status: str, output_dir: str | Path,
     The final metrics are already in the run (or spooled before the status): rank 0 logs them
     at the last step.
     """
-    records = [record(uri, run_id, tags={ERROR_TAG: error[:5000]})] if error else []
+    records = [record(uri, run_id, tags=tags_within_limits({ERROR_TAG: error}))] if error else []
     records.append(record(uri, run_id, status=status, end_time=int(time.time() * 1000)))
     Spool(output_dir).deliver(records)
 
@@ -319,11 +323,35 @@ def record(uri: str, run_id: str, **what: Any) -> Record:
     return {"uri": uri, "run_id": run_id, **what}
 
 
-def param_records(uri: str, run_id: str, params: Mapping[str, str]) -> list[Record]:
-    """`params` in records of at most MLflow's batch limit."""
-    items = list(params.items())
-    return [record(uri, run_id, params=dict(items[i : i + MAX_PARAMS_PER_BATCH]))
-            for i in range(0, len(items), MAX_PARAMS_PER_BATCH)]
+def param_records(uri: str, run_id: str, params: Mapping[str, object]) -> list[Record]:
+    """`params` within MLflow's limits (`within_limits`), in records of at most its batch
+    size."""
+    items = [within_limits(key, value, MAX_PARAM_VAL_LENGTH) for key, value in params.items()]
+    return [record(uri, run_id, params=dict(items[i : i + MAX_PARAMS_TAGS_PER_BATCH]))
+            for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH)]
+
+
+def tags_within_limits(tags: Mapping[str, object]) -> dict[str, str]:
+    return dict(within_limits(key, value, MAX_TAG_VAL_LENGTH) for key, value in tags.items())
+
+
+def within_limits(key: str, value: object, value_limit: int) -> tuple[str, str]:
+    """`key` and `value` as MLflow takes them, for a config however large. MLflow refuses a
+    key over 250 characters, and with it the whole batch it came in; such a key keeps its
+    start and ends with a hash of all of it, so two long keys that share a start stay apart.
+    A value over `value_limit` is cut with a marker (MLflow would cut it silently)."""
+    if len(key) > MAX_ENTITY_KEY_LENGTH:
+        suffix = "-truncated-" + hashlib.sha1(key.encode()).hexdigest()[:8]
+        key = key[: MAX_ENTITY_KEY_LENGTH - len(suffix)] + suffix
+    return key, shortened(str(value), value_limit)
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, its end saying how long it was."""
+    if len(text) <= limit:
+        return text
+    marker = f"…[truncated, {len(text)} chars]"
+    return text[: limit - len(marker)] + marker
 
 
 def write_record(entry: Record) -> None:
@@ -543,11 +571,11 @@ class SweepRunCallback(Callback):
         overrides = [mask_override(o) for o in OmegaConf.to_container(config.hydra.overrides.task)]
         run = client.create_run(
             experiment_id(client, tracking.experiment),
-            run_name=f"sweep {' '.join(overrides)}",
-            tags={
+            run_name=shortened(f"sweep {' '.join(overrides)}", MAX_RUN_NAME_LENGTH),
+            tags=tags_within_limits({
                 "mgpu.sweep_dir": str(config.hydra.sweep.dir),
                 "mgpu.overrides": " ".join(overrides),
-            },
+            }),
         )
         os.environ[PARENT_RUN_ENV] = run.info.run_id
         os.environ[PARENT_URI_ENV] = self.uri

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_TAG_VAL_LENGTH,
+)
 
 from mgpu import tracking
 from tests.conftest import make_job
@@ -56,3 +61,38 @@ def test_env_values_whose_names_say_secret_are_masked(tmp_path):
     params = client.get_run(run_id).data.params
     assert {name: params[f"env.{name}"] for name in secret} == dict.fromkeys(secret, "***")
     assert {name: params[f"env.{name}"] for name in plain} == plain
+
+
+def test_params_and_tags_of_any_size_are_logged_within_mlflows_limits(tmp_path, monkeypatch):
+    """A 10,000-char run name (also a param and in the overrides tag), a 10,000-char param
+    and error, and two 300-char param keys that share their first 250 chars: all logged, each
+    value cut to MLflow's limit with a marker that says how long it was, each key shortened to
+    250 chars and the two kept apart, the run ended with its status."""
+    monkeypatch.chdir(tmp_path)  # the store's artifacts go to ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    name = "n" * 10_000
+    overrides = [f"tracking.uri={uri}", f"tracking.run_name={name}"]
+    job = make_job(overrides, tmp_path / "out")
+    long_keys = ["data." + "k" * 295, "data." + "k" * 294 + "x"]
+    extra = {long_keys[0]: "first", long_keys[1]: "second", "data.source": "s" * 10_000}
+    run_id = tracking.start_job_run(job, {"strategy": "ddp"}, overrides, extra)
+    tracking.finish_run(uri, run_id, "FAILED", tmp_path / "out", error="e" * 10_000)
+
+    run = MlflowClient(uri).get_run(run_id)
+    params, tags = run.data.params, run.data.tags
+    assert run.info.status == "FAILED"
+    assert not (tmp_path / "out" / tracking.SPOOL_FILE).exists()
+    assert len(run.info.run_name) <= 250
+    for value, limit in [(params["tracking.run_name"], MAX_PARAM_VAL_LENGTH),
+                         (params["data.source"], MAX_PARAM_VAL_LENGTH),
+                         (tags["mgpu.overrides"], MAX_TAG_VAL_LENGTH),
+                         (tags[tracking.ERROR_TAG], MAX_TAG_VAL_LENGTH),
+                         (run.info.run_name, 250)]:
+        assert len(value) <= limit
+        assert value.endswith(" chars]") and "…[truncated, " in value, value[-40:]
+    assert params["data.source"].endswith("…[truncated, 10000 chars]")
+    shortened = {value: key for key, value in params.items() if value in ("first", "second")}
+    assert set(shortened) == {"first", "second"}
+    assert all(len(key) <= MAX_ENTITY_KEY_LENGTH for key in params)
+    assert shortened["first"] != shortened["second"]
+    assert shortened["first"].startswith(long_keys[0][:200])
