@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -516,7 +517,8 @@ class MetricLogger:
         Bounded: a tracking store that stops answering must not keep a finished rank alive.
         """
         self.queue.put(None)
-        self.thread.join(timeout_s)
+        with termination_deferred():
+            self.thread.join(timeout_s)
         if self.thread.is_alive():
             log.warning("MLflow did not take the last metric points within %.0f s", timeout_s)
 
@@ -545,6 +547,26 @@ class MetricLogger:
             self.spool.deliver(records)
         except Exception as e:  # the spool itself failed (a full disk): training goes on
             log.warning("could not write nor keep %d metric points: %s", len(points), e)
+
+
+@contextmanager
+def termination_deferred() -> Iterator[None]:
+    """SIGTERM waits for the block to end, then acts as it would have.
+
+    The launcher ends a failed group with SIGTERM, which reaches rank 0 while it writes its
+    last metric points; ending it there would lose the points still queued.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set a handler; signals are handled there anyway
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
 
 
 class SweepRunCallback(Callback):

@@ -37,6 +37,9 @@ def main(
     os.environ.update(env or {})
     if request is not None:
         return run_owned_by_rank0(job, Options.of(job.groups()), request, env or {})
+    # The launcher ends a failed group with SIGTERM: an exception, so the task closes (its
+    # last metric points written) on its way out. Quietly: the parent names the failure.
+    signal.signal(signal.SIGTERM, _exit_terminated)
     runtime = init_runtime(job.output_dir, job.launch.timeout_s)
     try:
         return start_task(job, Options.of(job.groups()), runtime, run_id)
@@ -149,3 +152,7 @@ def rank0s(objects: list) -> list:
 
 def _raise_terminated(signum: int, frame: object) -> None:
     raise SystemExit(f"terminated by the launcher (signal {signum}): another rank failed")
+
+
+def _exit_terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the status of a process the signal ended

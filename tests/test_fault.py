@@ -10,6 +10,7 @@ from datetime import datetime
 import psutil
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from mgpu.config import FaultSchedule
 from mgpu.fault import drawn
@@ -58,7 +59,8 @@ def test_hung_rank_fails_the_run_within_the_timeout_naming_rank_and_step(cli, tm
 
 
 def test_killed_rank_ends_the_run_with_one_line_naming_rank_and_step(cli, tmp_path):
-    result = cli(*QUICK, "fault.mode=sigkill", "fault.kill_rank=1", "fault.at_step=5")
+    result = cli(*QUICK, "fault.mode=sigkill", "fault.kill_rank=1", "fault.at_step=5",
+                 "train.log_every=1")
     assert result.returncode == 1
     [out] = tmp_path.glob("outputs/*/*")
     assert console_after_fault(result.stderr, "sigkill") == [
@@ -68,6 +70,10 @@ def test_killed_rank_ends_the_run_with_one_line_naming_rank_and_step(cli, tmp_pa
     assert not leftover_processes(tmp_path)
     [run] = mlflow_runs(tmp_path)
     assert run.info.status == "FAILED" and "rank 1 was killed" in run.data.tags["mgpu.error"]
+    # Rank 0's points still queued when the group failed are written on its way out.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == [1, 2, 3, 4]
 
 
 def test_rank_that_always_fails_is_restarted_exactly_max_restarts_times(cli, tmp_path):

@@ -63,10 +63,6 @@ def test_a_switched_run_is_one_mlflow_run_with_one_loss_curve(cli, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect: rank 0's metric points still queued (MetricLogger flushes every 2 s) are "
-    "lost when the launcher tears down the failed group with SIGTERM; where step 6 comes "
-    "within 2 s of step 2, train/loss lacks steps 2 and 4"))
 def test_an_out_of_memory_error_switches_from_the_last_checkpoint(cli, tmp_path):
     # Rank 1 fails at step 6 with torch.OutOfMemoryError; the last checkpoint is step 4.
     result = cli(*GPT, "train.log_every=2", "fault.mode=oom", "fault.kill_rank=1",
