@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import time
 from pathlib import Path
 
 from matplotlib.figure import Figure  # files only: no pyplot, no display backend
@@ -23,6 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from mgpu.config import GROUPS, resolve_tracking_uri
 from mgpu.plan.calibration import ERROR_STATE, ERROR_STEP, PREDICTED_STEP
+from mgpu.tracking import param_records, record, tags_within_limits, write_record
 
 SWEEP_TAG = "mgpu.sweep_dir"
 PARENT_TAG = "mlflow.parentRunId"
@@ -218,8 +220,47 @@ def report(uri: str, experiment: str | None, run_id: str | None, out: Path | Non
     """Write the sweep's table and plots, log them to its parent run; returns the directory."""
     client = MlflowClient(uri)
     parent = find_sweep(client, experiment, run_id)
-    runs = sweep_children(client, parent)
     out = out or Path("reports") / parent.info.run_id
+    write_report(client, parent, sweep_children(client, parent), out)
+    return out
+
+
+def summarize_sweep(uri: str, parent_run_id: str, metric: str, direction: str, out: Path) -> None:
+    """The sweep's comparison on its parent run, where the MLflow UI shows the sweep: the
+    report's table and plots, the best job (tags `mgpu.best_run`, `mgpu.best_job` and the
+    metric `best/<metric>`) and the params every job shared."""
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_run_id)
+    runs = sweep_children(client, parent)
+    write_report(client, parent, runs, out)
+    records = param_records(uri, parent_run_id, shared_params(runs))
+    best = best_run(runs, metric, direction)
+    if best is not None:
+        job = " ".join(f"{k}={config_value(best, k)}" for k in swept_keys(parent))
+        records.append(record(uri, parent_run_id, tags=tags_within_limits({
+            "mgpu.best_run": best.info.run_id, "mgpu.best_job": job or best.info.run_name})))
+        records.append(record(uri, parent_run_id, metrics=[
+            [f"best/{metric}", best.data.metrics[metric], int(time.time() * 1000), 0]]))
+    for entry in records:
+        write_record(entry)
+
+
+def best_run(runs: list[Run], metric: str, direction: str) -> Run | None:
+    """The FINISHED job with the best `metric` (`direction`: maximize or minimize), if any."""
+    scored = [r for r in runs if r.info.status == "FINISHED" and metric in r.data.metrics]
+    if not scored:
+        return None
+    pick = max if direction == "maximize" else min
+    return pick(scored, key=lambda r: r.data.metrics[metric])
+
+
+def shared_params(runs: list[Run]) -> dict[str, str]:
+    """The params every job logged with one value: what the sweep held fixed."""
+    first, *rest = (r.data.params for r in runs)
+    return {k: v for k, v in sorted(first.items()) if all(p.get(k) == v for p in rest)}
+
+
+def write_report(client: MlflowClient, parent: Run, runs: list[Run], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     header, rows = build_table(parent, runs)
     write_markdown(out / "report.md", parent, header, rows)
@@ -228,7 +269,6 @@ def report(uri: str, experiment: str | None, run_id: str | None, out: Path | Non
     plot_scaling(out / "scaling.png", runs)
     plot_calibration(out / "calibration.png", runs)
     client.log_artifacts(parent.info.run_id, str(out), artifact_path="report")
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,6 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mgpu.config import Job, parse_nnodes, resolve_tracking_uri
 from mgpu.errors import ConfigError
+from mgpu.options import build
 
 log = logging.getLogger(__name__)
 
@@ -607,7 +608,24 @@ class SweepRunCallback(Callback):
             self.failed_jobs += 1
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        run_id = os.environ.get(PARENT_RUN_ENV)
+        if run_id and self.uri:
+            self.summarize(config, run_id)
         end_sweep_run("FAILED" if self.failed_jobs else "FINISHED")
+
+    def summarize(self, config: DictConfig, run_id: str) -> None:
+        """The comparison on the parent run (`mgpu.report`); a sweep that trained does not
+        fail for want of its summary."""
+        from mgpu.report import summarize_sweep  # plots: the parent of a sweep only
+
+        objective = config.tracking.objective
+        metric = objective.metric or build(OmegaConf.to_container(config.task)).objective
+        out = Path(config.hydra.sweep.dir) / "report"
+        try:
+            summarize_sweep(self.uri, run_id, metric, objective.direction, out)
+        except (Exception, SystemExit) as e:
+            log.warning("the sweep's summary was not logged to its parent run: %s",
+                        first_line(e) if isinstance(e, Exception) else e)
 
 
 def check_sweeper_direction(sweeper: DictConfig, direction_wanted: str, metric: str | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from tests.conftest import mlflow_runs
 
@@ -35,6 +36,16 @@ def test_joblib_runs_two_jobs_at_once(cli, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     children = sweep_children(tmp_path, 2)
     assert {r.data.params["optim.lr"] for r in children} == {"0.001", "0.003"}
+    # The parent holds the comparison: the report, the best job, what every job shared.
+    [parent] = [r for r in mlflow_runs(tmp_path) if "mlflow.parentRunId" not in r.data.tags]
+    best = max(children, key=lambda r: r.data.metrics["eval/accuracy"])
+    assert parent.data.tags["mgpu.best_run"] == best.info.run_id
+    assert parent.data.tags["mgpu.best_job"] == f"optim.lr={best.data.params['optim.lr']}"
+    assert parent.data.metrics["best/eval/accuracy"] == best.data.metrics["eval/accuracy"]
+    assert parent.data.params["train.steps"] == "4" and "optim.lr" not in parent.data.params
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.md", "report/report.csv"} <= logged
 
 
 def test_slurm_preset_maps_the_allocation_to_launch_keys(cli, tmp_path):
@@ -64,6 +75,8 @@ def test_optuna_preset_minimizes_the_chosen_objective(cli, tmp_path):
     [found] = (tmp_path / "multirun").glob("*/*/optimization_results.yaml")
     results = yaml.safe_load(found.read_text())
     assert results["best_value"] == pytest.approx(min(losses), rel=1e-9)
+    [parent] = [r for r in mlflow_runs(tmp_path) if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.data.metrics["best/eval/loss"] == min(losses)
 
 
 def test_sweeper_direction_other_than_the_objective_is_refused(cli, tmp_path):
