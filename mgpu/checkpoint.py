@@ -244,6 +244,13 @@ def set_aside_newer(root: Path, source: Path, token: str) -> None:
              source, ", ".join(p.name for p in reversed(newer)), aside)
 
 
+def resumes_switched(cfg: CheckpointConf, resume: str) -> bool:
+    """Whether the checkpoint a job resumes from was saved at its run's strategy switch or
+    after it (its manifest says so): the run goes on with the strategy it switched to."""
+    source = resume_source(cfg, resume, report=False)
+    return bool(source and manifest(source).get("switched"))
+
+
 def resumed_run_id(cfg: CheckpointConf, resume: str) -> str | None:
     """The MLflow run of the checkpoint a job resumes from, so it continues that run."""
     source = resume_source(cfg, resume, report=False)  # rank 0 reports what it skips
@@ -419,9 +426,12 @@ class Checkpointer:
     """Saves on schedule (sync or async), commits on rank 0, restores at start-up."""
 
     def __init__(
-        self, cfg: CheckpointConf, resume: str, runtime: Runtime, run_id: str | None
+        self, cfg: CheckpointConf, resume: str, runtime: Runtime, run_id: str | None,
+        switched: bool = False,
     ) -> None:
         self.cfg, self.resume, self.runtime, self.run_id = cfg, resume, runtime, run_id
+        # Whether the run's strategy switch happened (its saves resume with `switch.to`).
+        self.switched = switched
         self.root = Path(cfg.dir)
         self.every, self.keep_last, self.async_save = (
             cfg.every_steps, cfg.keep_last, cfg.async_save)
@@ -528,7 +538,7 @@ class Checkpointer:
         files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
                  for p in sorted(partial.iterdir()) if p.is_file()}
         record = {"step": step, "world_size": self.runtime.world_size, "layout": self.layout,
-                  "run_id": self.run_id, "files": files}
+                  "run_id": self.run_id, "switched": self.switched, "files": files}
         try:
             write_file_durably(partial / MANIFEST, json.dumps(record, indent=1))
         except OSError as e:

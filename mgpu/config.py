@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 import mgpu.cluster  # noqa: F401  (registers ${mgpu.allocation_endpoint:...}, experiment=slurm)
 import mgpu.rundir  # noqa: F401  (registers ${mgpu.now:...} for hydra.run.dir)
 from mgpu import support
-from mgpu.checkpoint import check_checkpoint, check_resume_shapes
+from mgpu.checkpoint import check_checkpoint, check_resume_shapes, resumes_switched
 from mgpu.errors import ConfigError
 from mgpu.options import build, conf_nodes, import_target, option_name
 
@@ -194,6 +194,8 @@ class SwitchConf:
     to: Any = None
     when: SwitchWhen = field(default_factory=SwitchWhen)
     started_at: float = field(default=0.0, metadata=DERIVED)  # wall clock of the switch's save
+    # The run after its switch: its checkpoints record it, so a re-run goes on with `to`.
+    switched: bool = field(default=False, metadata=DERIVED)
 
 
 @dataclass(frozen=True)
@@ -594,7 +596,20 @@ def prepare(
             option.validate(job, options)
     job = check_checkpoint(check_switch(job, torchrun_world is not None))
     check_resume_shapes(job, model)
+    if job.switch.to is not None and resumes_switched(job.checkpoint, job.resume):
+        job = switched_before(job)
+        options = Options.of(job.groups())
     return job, options
+
+
+def switched_before(job: Job) -> Job:
+    """The job whose checkpoint to resume was saved at or after its switch: a re-run of a run
+    that switched goes on where it stopped, with the strategy it switched to (its triggers
+    fired already: a run switches once)."""
+    log.info("resume: the checkpoint was saved after the run switched strategy; it goes on "
+             "with switch.to")
+    return dataclasses.replace(job, strategy=job.switch.to,
+                               switch=SwitchConf(when=job.switch.when, switched=True))
 
 
 def check_switch(job: Job, under_torchrun: bool) -> Job:

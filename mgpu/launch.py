@@ -116,7 +116,7 @@ def switched(job: Job, started_at: float, after_failure: bool = False) -> Job:
     fault = job.fault if job.fault.every_attempt or not after_failure else FaultConf()
     return dataclasses.replace(
         job, strategy=job.switch.to, resume="auto", fault=fault,
-        switch=SwitchConf(when=job.switch.when, started_at=started_at))
+        switch=SwitchConf(when=job.switch.when, started_at=started_at, switched=True))
 
 
 # A rank's error report where it ran out of device memory (the type name torch raises).

@@ -172,7 +172,8 @@ class Trainer:
             val_loader=EvalBatches(val_set, job.eval.batch_size, data_runtime),
             tracker=tracker,
             monitor=monitor,
-            checkpointer=Checkpointer(job.checkpoint, job.resume, runtime, run_id),
+            checkpointer=Checkpointer(job.checkpoint, job.resume, runtime, run_id,
+                                      switched=job.switch.switched),
             switch_at=job.switch.when.at_step if job.switch.to is not None else 0,
             switch_when=job.switch.when if job.switch.to is not None else None,
         )
@@ -252,6 +253,7 @@ class Trainer:
         """End this strategy's part of the run at `step`: its checkpoint, which the next
         strategy resumes from (`mgpu.launch`), written and committed; no final evaluation."""
         started = time.time()
+        self.checkpointer.switched = True  # a re-run resumes this one with the new strategy
         self.log(self.checkpointer.save(self, step), step)
         self.checkpointer.wait()
         return {**metrics, "step": step, "switch/started_at": started}

@@ -111,6 +111,29 @@ def test_a_loss_plateau_switches_where_the_logged_curve_says(cli, tmp_path):
     assert run.data.metrics["checkpoint/resumed_from_step"] == expected
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_rerun_goes_on_with_the_strategy_the_run_switched_to(cli, tmp_path):
+    # threshold=0.99: the plateau fires at the first log point it may, two windows in (step
+    # 4); the run then fails under fsdp at step 9, its last checkpoint fsdp's at step 8. The
+    # same command again resumes it with fsdp, not with the ddp it started with.
+    checkpoints = tmp_path / "checkpoints"
+    command = [*GPT, "train.steps=12", "train.log_every=2", "checkpoint.every_steps=2",
+               f"checkpoint.dir={checkpoints}", "switch.to={name:fsdp}",
+               "switch.when.loss_plateau.window=2", "switch.when.loss_plateau.threshold=0.99"]
+    stopped = cli(*command, "fault.mode=exception", "fault.at_step=9")
+    assert stopped.returncode != 0
+    assert manifest(step_dir(checkpoints, 8))["layout"]["dp_shard"] == 2
+
+    rerun = cli(*command)
+    assert rerun.returncode == 0, rerun.stderr
+    [run] = mlflow_runs(tmp_path)  # the same MLflow run goes on
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["switch/at_step"] == 4
+    assert run.data.metrics["checkpoint/resumed_from_step"] == 8
+    assert manifest(step_dir(checkpoints, 12))["layout"]["dp_shard"] == 2  # fsdp saved it
+
+
 def test_a_throughput_drop_fires_at_the_first_window_below_its_fraction_of_the_best():
     # Log points every 2 steps, their mean step times; windows of 4 steps, so each window is
     # two points: 0.15 s/step at step 4 (warm-up), 0.1 at 6 (the best), 0.1 at 8, 0.115 at 10
