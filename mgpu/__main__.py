@@ -20,10 +20,12 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from mgpu import checkpoint, launch, rendezvous, tracking, worker
-from mgpu.config import GROUPS, Job, Options, prepare
+from mgpu.config import prepare
 from mgpu.errors import ConfigError, RunFailed
+from mgpu.job import GROUPS, Job
 from mgpu.monitor.system import system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
+from mgpu.options import Options
 from mgpu.plan import calibration, trials
 from mgpu.task import Task
 

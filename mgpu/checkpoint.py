@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from mgpu.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mgpu.config import CheckpointConf, Job
+    from mgpu.job import CheckpointConf, Job
     from mgpu.runtime import Runtime
     from mgpu.trainer import Trainer
 

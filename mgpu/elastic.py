@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mgpu import fault
-from mgpu.config import LaunchConf, parse_nnodes
+from mgpu.errors import ConfigError
+from mgpu.job import LaunchConf
 
 GROUPS_FILE = "groups.jsonl"
 
@@ -50,6 +51,18 @@ class Membership:
             metrics["elastic/seconds_lost"] = first_step_at - self.last_step_at
             metrics["elastic/steps_repeated"] = float(max(0, self.last_step - start_step))
         return metrics
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """`launch.nnodes` as (min, max): "2" → (2, 2), "1:4" → (1, 4)."""
+    try:
+        lo, _, hi = str(value).partition(":")
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"launch.nnodes={value}: use N or MIN:MAX with 1 <= MIN <= MAX")
+    return bounds
 
 
 def may_restart(launch: LaunchConf) -> bool:

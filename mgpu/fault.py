@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 if TYPE_CHECKING:
-    from mgpu.config import FaultConf, FaultSchedule
+    from mgpu.job import FaultConf, FaultSchedule
 
 log = logging.getLogger("mgpu.fault")
 

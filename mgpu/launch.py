@@ -20,7 +20,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mgpu import fault, worker
-from mgpu.config import FaultConf, Job, SwitchConf, parse_nnodes
+from mgpu.elastic import parse_nnodes
+from mgpu.job import FaultConf, Job, SwitchConf
 from mgpu.meter import JOB_PID_ENV
 from mgpu.options import option_name
 

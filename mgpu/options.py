@@ -11,12 +11,15 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from mgpu.errors import ConfigError
+from mgpu.job import GROUPS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -33,7 +36,7 @@ def import_target(path: str) -> Any:
 def build(node: dict[str, Any], **runtime_args: Any) -> Any:
     """The object a group node describes: its `_target_` called with the node's arguments and
     the `runtime_args` only a worker knows (a model's input shape). A run's options are made
-    through `mgpu.config.Options`, once per process; the support matrix makes conf/'s."""
+    through `Options`, once per process; the support matrix makes conf/'s."""
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
     return import_target(node["_target_"])(**kwargs, **runtime_args)
 
@@ -57,3 +60,34 @@ def option_name(group: str, target: str) -> str:
     """How a user selects `target`: `group=<option>` where conf/ has it, else by its _target_."""
     name = next((n for n, node in conf_nodes(group).items() if node["_target_"] == target), None)
     return f"{group}={name}" if name else f"{group}._target_={target}"
+
+
+@dataclass(frozen=True)
+class Options:
+    """The job's group options, built once per process by `Options.of`: in the parent, so
+    each option's own checks run before launch, and in each worker, to train with. The model
+    is built last, by `model(...)`, once the data has told its input shape."""
+
+    strategy: Any
+    precision: Any
+    compression: Any
+    network: Any
+    balance: Any
+    data: Any
+    optim: Any
+    task: Any
+    model_node: dict[str, Any]
+    #: What strategy=auto planned before it was replaced by its choice (None: not planned).
+    planned: Any = None
+
+    @classmethod
+    def of(cls, nodes: Mapping[str, Any]) -> Options:
+        """Every group option of `nodes` (a job's group nodes by group name: the checked
+        values in `prepare`, `job.groups()` after), built through `build`."""
+        built = {g: build(nodes[g]) for g in GROUPS if g != "model"}
+        return cls(**built, model_node=nodes["model"])
+
+    def model(self, **runtime_args: Any) -> Any:
+        """The configured model, with the arguments only a worker knows (`input_shape`,
+        `num_classes`)."""
+        return build(self.model_node, **runtime_args)

@@ -23,8 +23,9 @@ from typing import Any
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from mgpu.config import Job, parse_nnodes
+from mgpu.elastic import parse_nnodes
 from mgpu.errors import ConfigError, RunFailed
+from mgpu.job import Job
 from mgpu.rundir import open_store
 from mgpu.tracking import flatten
 

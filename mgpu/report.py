@@ -22,7 +22,7 @@ from matplotlib.figure import Figure  # files only: no pyplot, no display backen
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from mgpu.config import GROUPS, resolve_tracking_uri
+from mgpu.job import GROUPS, resolve_tracking_uri
 from mgpu.plan.calibration import ERROR_STATE, ERROR_STEP, PREDICTED_STEP
 from mgpu.tracking import param_records, record, tags_within_limits, write_record
 

@@ -24,7 +24,8 @@ from mgpu.errors import ConfigError
 from mgpu.options import build, conf_nodes, import_target, option_name
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 #: The groups (and the one root key) whose combinations the rules and the matrix cover.
 AXES = ("strategy", "precision", "compression", "balance", "model", "data", "grad_accum")

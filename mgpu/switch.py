@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from mgpu.config import SwitchWhen
+    from mgpu.job import SwitchWhen
 
 log = logging.getLogger("mgpu.switch")
 

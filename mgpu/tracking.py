@@ -56,8 +56,9 @@ from mlflow.utils.validation import (
 )
 from omegaconf import DictConfig, OmegaConf
 
-from mgpu.config import Job, parse_nnodes, resolve_tracking_uri
+from mgpu.elastic import parse_nnodes
 from mgpu.errors import ConfigError
+from mgpu.job import Job, resolve_tracking_uri
 from mgpu.options import build
 
 log = logging.getLogger(__name__)

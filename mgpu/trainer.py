@@ -28,12 +28,12 @@ from mgpu import fault
 from mgpu.balance import Balance
 from mgpu.checkpoint import Checkpointer, manifest, restart_count, step_dir
 from mgpu.compression import CommHook, Compression
-from mgpu.config import Options
 from mgpu.data.loader import EvalBatches
 from mgpu.loss import IGNORED_LABEL, cross_entropy
 from mgpu.meter import OtherLoad, StepMeter, peak_memory_bytes
 from mgpu.monitor import Monitor
 from mgpu.monitor.mfu import MFU
+from mgpu.options import Options
 from mgpu.parallel import parallelize
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
@@ -42,7 +42,7 @@ from mgpu.switch import Triggers
 from mgpu.tracking import MetricLogger
 
 if TYPE_CHECKING:
-    from mgpu.config import EvalConf, FaultConf, Job, SwitchWhen, TrainConf
+    from mgpu.job import EvalConf, FaultConf, Job, SwitchWhen, TrainConf
 
 log = logging.getLogger("mgpu.trainer")
 

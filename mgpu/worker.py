@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu import checkpoint, elastic, tracking
-from mgpu.config import Job, Options
+from mgpu.job import Job
 from mgpu.monitor.system import node_id, system_metrics
 from mgpu.network.topology import TOPOLOGY_FILE
+from mgpu.options import Options
 from mgpu.runtime import Runtime, init_runtime, join_group, setup_logging, shutdown
 
 log = logging.getLogger("mgpu.worker")

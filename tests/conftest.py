@@ -20,8 +20,9 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mgpu.config import Job, prepare
+from mgpu.config import prepare
 from mgpu.errors import ConfigError
+from mgpu.job import Job
 from mgpu.launch import WORKER_ENV, environment, launch
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer

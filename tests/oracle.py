@@ -71,8 +71,9 @@ from mgpu.compression.fp16 import Fp16
 from mgpu.compression.none import NoCompression
 from mgpu.compression.onebit import OneBit
 from mgpu.compression.powersgd import PowerSGD
-from mgpu.config import Job, Options
+from mgpu.job import Job
 from mgpu.loss import IGNORED_LABEL
+from mgpu.options import Options
 from mgpu.parallel import FSDPOptions
 from mgpu.pipeline import SCHEDULES
 from mgpu.precision.amp import AMP

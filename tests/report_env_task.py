@@ -9,7 +9,8 @@ import os
 
 from torch import nn
 
-from mgpu.config import Job, Options
+from mgpu.job import Job
+from mgpu.options import Options
 from mgpu.parallel import parallelize
 from mgpu.runtime import Runtime
 

@@ -25,9 +25,10 @@ from mgpu.checkpoint import (
     problem,
     step_dir,
 )
-from mgpu.config import CheckpointConf, Options
 from mgpu.data.loader import TrainBatches
 from mgpu.errors import ConfigError
+from mgpu.job import CheckpointConf
+from mgpu.options import Options
 from mgpu.runtime import Runtime
 from tests.conftest import QUICK, assert_refused, launch_job, make_job
 from tests.test_ddp import assert_weights_close

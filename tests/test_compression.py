@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.checkpoint import SafeReader, WeightsOnlyLoadPlanner, unpack
 from mgpu.compression.onebit import OneBit, decode_mean, encode, pack_signs, unpack_signs
-from mgpu.config import Job
+from mgpu.job import Job
 from mgpu.options import build
 from mgpu.runtime import Runtime, init_runtime, shutdown
 from mgpu.trainer import Trainer, one_comm_hook

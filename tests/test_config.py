@@ -13,8 +13,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch.utils.data import default_collate
 
 from mgpu import config
-from mgpu.config import GROUPS, Job
 from mgpu.errors import ConfigError
+from mgpu.job import GROUPS, Job
 from mgpu.options import build
 from mgpu.runtime import Runtime
 from mgpu.trainer import Trainer
@@ -192,13 +192,13 @@ def test_each_process_builds_the_options_once(one_rank_group, tmp_path, monkeypa
     the meta device, for its own checks); a worker handed those options builds only the model
     (whose input shape the data tells), nothing twice."""
     made: Counter[str] = Counter()
-    real = config.build
+    real = build
 
     def counting(node: dict, **runtime_args):
         made[node["_target_"]] += 1
         return real(node, **runtime_args)
 
-    monkeypatch.setattr(config, "build", counting)
+    monkeypatch.setattr("mgpu.options.build", counting)
     cfg = compose_config([f"output_dir={tmp_path}", "tracking.enabled=false",
                           "launch.nproc_per_node=1", "monitor.enabled=true"])
     job, options = config.prepare(cfg, cuda_devices=0, torchrun_world=None)

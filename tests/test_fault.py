@@ -12,8 +12,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from mgpu.config import FaultSchedule
 from mgpu.fault import drawn
+from mgpu.job import FaultSchedule
 from tests.conftest import QUICK, mlflow_runs
 
 pytestmark = pytest.mark.e2e

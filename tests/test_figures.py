@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from mgpu import tracking
 from mgpu.compression.onebit import OneBit
-from mgpu.config import Job
+from mgpu.job import Job
 from mgpu.launch import launch
 from mgpu.meter import OtherLoad, StepMeter
 from mgpu.model.mlp import MLP

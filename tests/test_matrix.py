@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.tensor import DTensor
 
-from mgpu.config import Job
+from mgpu.job import Job
 from mgpu.launch import WORKER_ENV, environment
 from mgpu.matrix import (
     BEGIN,

@@ -19,14 +19,13 @@ import torch
 import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
-from mgpu.config import Options
 from mgpu.model.mlp import MLP
 from mgpu.monitor.comm import CommMeter
 from mgpu.monitor.mfu import MFU, flops_per_sample, peak_flops
 from mgpu.monitor.prometheus import free_port
 from mgpu.monitor.telemetry import CPU_KEYS, GPU_KEYS, Telemetry
 from mgpu.monitor.timing import WallClock, in_flight_s
-from mgpu.options import build
+from mgpu.options import Options, build
 from tests.conftest import QUICK, ROOT, assert_refused, launch_job, make_job, mlflow_runs
 from tests.readme import prometheus_series
 
@@ -263,7 +262,7 @@ EXPORTER_STEPS = """
 import sys, urllib.request
 from pathlib import Path
 import torch
-from mgpu.config import MonitorConf
+from mgpu.job import MonitorConf
 from mgpu.monitor import Monitor
 from mgpu.runtime import Runtime
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mgpu.config import Job
+from mgpu.job import Job
 from mgpu.model.cnn import CNN
 from mgpu.model.gpt import GPT
 from mgpu.options import build

@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 from mlflow.tracking import MlflowClient
 
-from mgpu.config import Job, Options, prepare
+from mgpu.config import prepare
+from mgpu.job import Job
 from mgpu.meter import local_bytes, optimizer_state_bytes
+from mgpu.options import Options
 from mgpu.parallel import DDPOptions
 from mgpu.pipeline import stages_per_rank
 from mgpu.plan import candidates, plan_job

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from mgpu import tracking
-from mgpu.config import Job
+from mgpu.job import Job
 from mgpu.launch import launch
 from mgpu.model.cnn import CNN
 from mgpu.model.mlp import MLP

@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mgpu.checkpoint import Checkpointer, SafeReader, WeightsOnlyLoadPlanner, step_dir
-from mgpu.config import CheckpointConf, Options
+from mgpu.job import CheckpointConf
+from mgpu.options import Options
 from mgpu.runtime import Runtime
 from mgpu.task.train import Train
 from mgpu.trainer import Trainer

@@ -14,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from mgpu.checkpoint import manifest, step_dir
-from mgpu.config import SwitchWhen, ThroughputDrop
+from mgpu.job import SwitchWhen, ThroughputDrop
 from mgpu.switch import Triggers
 from tests.conftest import assert_refused, launch_job, mlflow_runs
 from tests.test_relayout import GPT, LAYOUTS, SAVE_AT, STEPS, resume_as

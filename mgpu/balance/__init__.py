@@ -13,7 +13,8 @@ from mgpu.runtime import Runtime
 
 if TYPE_CHECKING:
     from mgpu.compression import CommHook
-    from mgpu.config import Job, Options, StragglerConf
+    from mgpu.job import Job, StragglerConf
+    from mgpu.options import Options
 
 
 class Balance(Protocol):

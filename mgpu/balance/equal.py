@@ -23,7 +23,7 @@ from mgpu.straggler import Straggler
 
 if TYPE_CHECKING:
     from mgpu.compression import CommHook
-    from mgpu.config import StragglerConf
+    from mgpu.job import StragglerConf
 
 
 class EqualSplit:

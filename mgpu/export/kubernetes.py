@@ -14,8 +14,9 @@ import copy
 import re
 from typing import Any
 
-from mgpu.config import Job, parse_nnodes
+from mgpu.elastic import parse_nnodes
 from mgpu.errors import ConfigError
+from mgpu.job import Job
 
 API_VERSION = "kubeflow.org/v1"
 CONTAINER = "pytorch"  # the container name the operator looks for

@@ -31,7 +31,7 @@ from mgpu.runtime import Runtime, gather_rows
 
 if TYPE_CHECKING:
     from mgpu.compression import CommHook
-    from mgpu.config import MonitorConf
+    from mgpu.job import MonitorConf
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mgpu.config import TrackingConf
+    from mgpu.job import TrackingConf
 
 
 @contextmanager

@@ -17,7 +17,8 @@ from mgpu.errors import ConfigError
 from mgpu.network import sysctl, topology
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from mgpu.plan.machine import measure
 from mgpu.plan.planner import Row, predict
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 PREDICTED_STEP = "plan/predicted_step_seconds"
 PREDICTED_BYTES = "plan/predicted_bytes_per_rank"

@@ -22,7 +22,8 @@ from mgpu.parallel import ParallelPlan
 from mgpu.pipeline import SCHEDULES
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 #: What each block recomputes in backward, as candidates weigh it ("selective" is left out:
 #: its memory lies between the two and the planner has no estimate of its own for it).

@@ -39,7 +39,8 @@ from mgpu.plan.speed import (
 )
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 MIB = 2**20
 

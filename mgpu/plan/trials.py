@@ -18,7 +18,8 @@ from mgpu.plan.planner import Row, format_table
 from mgpu.strategy.auto import Planned, with_strategy
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 log = logging.getLogger(__name__)
 TABLE_ARTIFACT = "plan/plan.txt"

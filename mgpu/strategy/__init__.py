@@ -31,7 +31,8 @@ from mgpu.pipeline import Pipeline
 from mgpu.precision.padding import unpad_state_dict
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 #: Optimizer state in DCP's flat layout, every entry keyed by parameter name
 #: (`state.<name>.exp_avg`, `param_groups.<name>.lr`): ranks holding different parameters

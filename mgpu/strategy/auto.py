@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import pynvml
 import torch
 
-from mgpu.config import Options
 from mgpu.errors import ConfigError
 from mgpu.nvml import device_handle
+from mgpu.options import Options
 from mgpu.plan.machine import Machine, measure
 from mgpu.plan.planner import Row, plan_job, smallest
 
 if TYPE_CHECKING:
-    from mgpu.config import Job
+    from mgpu.job import Job
 
 
 @dataclass(frozen=True)

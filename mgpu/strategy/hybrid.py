@@ -16,7 +16,8 @@ from mgpu.parallel import FSDPOptions, ParallelPlan, PipelineOptions
 from mgpu.strategy import Strategy
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 
 class Hybrid(Strategy):

@@ -9,7 +9,8 @@ from mgpu.parallel import ParallelPlan
 from mgpu.strategy import Strategy
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 
 class Single(Strategy):

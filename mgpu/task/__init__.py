@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 from mgpu.runtime import Runtime
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 
 class Task(Protocol):

@@ -27,7 +27,8 @@ from mgpu.runtime import Runtime
 from mgpu.tracking import MetricLogger, Spool, record
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ from mgpu.runtime import Runtime
 from mgpu.trainer import Trainer
 
 if TYPE_CHECKING:
-    from mgpu.config import Job, Options
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 
 class Train:
