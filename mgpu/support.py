@@ -193,11 +193,15 @@ def uneven_batches_need_local_steps(balance: Option, strategy: Option) -> str | 
 
 
 def uneven_batches_change_batch_statistics(balance: Option, model: Option) -> str | None:
-    """BatchNorm normalises over the local batch: unequal shares change what is computed."""
+    """BatchNorm normalises over the local batch: unequal shares change what is computed, and
+    torch.nn.SyncBatchNorm, which normalises over the global batch whatever the split, refuses
+    CPU tensors (its batch_norm_stats kernel has no CPU implementation), where gloo runs."""
     if not balance.declares("uneven") or not model.declares("batch_statistics"):
         return None
     return (f"{balance} cannot run with {model} (the model normalises over each rank's local "
-            f"batch, so unequal shares change what it computes); use balance=none, or "
+            f"batch, so unequal shares change what it computes, and torch.nn.SyncBatchNorm, "
+            f"which would normalise over the global batch, refuses CPU tensors); use "
+            f"balance=none, or "
             f"{alternatives('model', lambda m: not m.declares('batch_statistics'))}")
 
 

@@ -201,12 +201,23 @@ def test_each_refusal_names_the_fact_behind_it():
         ("strategy=pp", "balance=throughput"): "read the same samples",
         ("strategy=fsdp", "compression=onebit"): "FSDP2 has no comm hook for its reduce-scatter",
         ("strategy=single", "balance=ssp"): "one process has no gradients to exchange",
+        ("balance=throughput", "model=cnn"): "SyncBatchNorm",
+        ("strategy=tp", "model=cnn"): "Linear and Embedding layers only",
     }
     for row, reason in REFUSED:
         names = {option.name for option in row.values()}
         for pair, fact in facts.items():
             if set(pair) <= names and all(name in reason for name in pair):
                 assert fact in reason, reason
+
+
+@pytest.mark.dist
+def test_sync_batch_norm_refuses_cpu_tensors(one_rank_group):
+    """The torch fact behind rule 5: SyncBatchNorm, which would normalise over the global batch
+    whatever the split, refuses the CPU tensors gloo runs compute on. Where this fails, torch
+    runs it on CPU: convert the cnn's BatchNorm under an uneven balance and lift the rule."""
+    with pytest.raises(ValueError, match="expected input tensor to be on GPU"):
+        torch.nn.SyncBatchNorm(4)(torch.randn(3, 4, 5, 5))
 
 
 @pytest.mark.parametrize(("row", "reason"), REFUSED, ids=[r for _, r in REFUSED])
