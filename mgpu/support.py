@@ -121,9 +121,11 @@ def no_hook_reason(strategy: Option) -> str:
 
 
 def compression_needs_a_comm_hook(compression: Option, strategy: Option) -> str | None:
-    """A compression that is a DDP comm hook needs a strategy whose model takes one (FSDP2
-    has no reduce-scatter comm hook, so PowerSGD/onebit cannot reach its gradients); one that
-    is only a wire dtype also runs where FSDP2 reduces gradients in that dtype."""
+    """A compression that is a DDP comm hook needs a strategy whose model takes one: one
+    process exchanges no gradients, tp/pp ranks hold parts of one replica with no gradient
+    all-reduce for a hook to carry, and FSDP2 has no reduce-scatter comm hook, so
+    PowerSGD/onebit cannot reach its gradients; one that is only a wire dtype also runs where
+    FSDP2 reduces gradients in that dtype."""
     if not compression.declares("needs_comm_hook") or strategy.declares("supports_comm_hook"):
         return None
     if compression.declares("wire_dtype") and strategy.declares("sets_reduce_dtype"):
@@ -206,7 +208,9 @@ def uneven_batches_change_batch_statistics(balance: Option, model: Option) -> st
 
 
 def strategy_needs_a_model_plan(strategy: Option, model: Option) -> str | None:
-    """Tensor and pipeline parallelism split a model where the model says it can be split."""
+    """Tensor and pipeline parallelism split a model where the model says it can be split;
+    torch's tensor-parallel styles cover Linear and Embedding layers only, so a model built on
+    convolutions has no tensor-parallel plan."""
     for plan in strategy.declares("model_plans"):
         if not callable(getattr(model.obj, plan, None)):
             limit = f"; {PLAN_LIMITS[plan]}" if plan in PLAN_LIMITS else ""
@@ -218,7 +222,7 @@ def strategy_needs_a_model_plan(strategy: Option, model: Option) -> str | None:
 
 def token_data_needs_a_language_model(data: Option, model: Option) -> str | None:
     """Token sequences labelled with each next token need a model that predicts at every
-    position."""
+    position; a classifier makes one prediction per sample."""
     if not data.declares("next_token") or model.declares("language_model"):
         return None
     return (f"{data} cannot run with {model} (its samples are token sequences whose every "

@@ -53,7 +53,7 @@ from mgpu.options import build
 from mgpu.pipeline import SCHEDULES
 from mgpu.precision.padding import WRAPPER_NAMES
 from mgpu.runtime import init_runtime, shutdown
-from mgpu.support import AXES, GRAD_ACCUM_KEY, Option
+from mgpu.support import AXES, GRAD_ACCUM_KEY, RULES, Option
 from mgpu.trainer import Trainer
 from tests.conftest import ROOT, assert_refused, make_job
 from tests.oracle import (
@@ -209,6 +209,25 @@ def test_each_refusal_names_the_fact_behind_it():
         for pair, fact in facts.items():
             if set(pair) <= names and all(name in reason for name in pair):
                 assert fact in reason, reason
+
+
+def test_each_rule_summary_names_the_fact_behind_it():
+    """The README's list of rules (each rule's summary) says, for every pair a rule refuses,
+    which torch or machine fact it rests on."""
+    facts = {
+        "compression_needs_a_comm_hook": ["one process", "no gradient all-reduce",
+                                          "FSDP2 has no reduce-scatter comm hook"],
+        "balance_needs_a_comm_hook": ["one process", "FSDP2 has no hook", "no gradient "
+                                      "all-reduce"],
+        "one_comm_hook": ["register_comm_hook"],
+        "uneven_batches_need_local_steps": ["inside every layer", "read the same samples"],
+        "uneven_batches_change_batch_statistics": ["SyncBatchNorm", "CPU"],
+        "strategy_needs_a_model_plan": ["Linear and Embedding layers only"],
+        "token_data_needs_a_language_model": ["one prediction per sample"],
+    }
+    for rule in RULES:
+        for fact in facts[rule.refusal.__name__]:
+            assert fact in rule.summary, (rule.refusal.__name__, fact)
 
 
 @pytest.mark.dist
