@@ -23,13 +23,15 @@ from mgpu.errors import ConfigError
 from mgpu.loss import cross_entropy
 from mgpu.monitor.timing import clock_for
 from mgpu.precision.padding import unpad_state_dict
+from mgpu.twobw import NoFlush
 
 
 @dataclass(frozen=True)
 class Schedule:
     """A torch.distributed.pipelining schedule as `strategy.schedule` names it."""
 
-    #: Its class in torch.distributed.pipelining, and the first torch release that has it.
+    #: Its class in torch.distributed.pipelining ("": our own, `NoFlush`), and the first torch
+    #: release that has what it needs.
     torch_class: str
     since: str
     #: Model stages each pipeline rank holds.
@@ -42,9 +44,9 @@ class Schedule:
     microbatch_rule: str = ""
     #: Backward split in two (zero bubble): input gradients first, weight gradients later.
     split_backward: bool = False
-    #: PipeDream-2BW's update: each step's forward and backward run on the weights one
-    #: optimizer step older than the stages' newest, W(t+1) = W(t) - lr·∇f(W(t-1)), two weight
-    #: versions per stage (a schedule of its own, not torch's: `torch_class` runs its steps).
+    #: PipeDream-2BW: no flush between optimizer steps, so each step's gradient is taken at
+    #: the weights one optimizer step older than the stages' newest, W(t+1) = W(t) -
+    #: lr·∇f(W(t-1)), two weight versions per stage (`NoFlush`, our own driver).
     stale: bool = False
 
 
@@ -57,8 +59,7 @@ SCHEDULES = {
                                microbatch_rule="rounds", split_backward=True),
     "zbv": Schedule("ScheduleZBVZeroBubble", "2.6", 2, "v", "stages", split_backward=True),
     "dualpipev": Schedule("ScheduleDualPipeV", "2.9", 2, "v", "stages", split_backward=True),
-    # Its steps run as 1F1B's, flushed: the update rule is 2BW's, the overlap is not yet.
-    "2bw": Schedule("Schedule1F1B", "2.4", stale=True),
+    "2bw": Schedule("", "2.4", stale=True),
 }
 # Most dims of the logits `predict` hands every rank: (batch, classes) or (batch, tokens, vocab).
 MAX_DIMS = 4
@@ -84,6 +85,8 @@ def schedule_class(schedule: str, available: object = pipelining) -> type:
     """`schedule`'s torch class, looked up in `available` (this torch's pipelining module); a
     ConfigError naming the torch that first has it where this one does not."""
     spec = SCHEDULES[schedule]
+    if not spec.torch_class:  # our own driver (2bw)
+        return NoFlush
     cls = getattr(available, spec.torch_class, None)
     if cls is None:
         raise ConfigError(
@@ -115,8 +118,8 @@ def check_pipeline(
         )
     if spec.stale and (sharded or tp > 1):
         raise ConfigError(
-            f"strategy.schedule={schedule}: keeps each stage's older weight version by "
-            f"swapping plain tensors with the stage's own, which FSDP2's sharded and tensor "
+            f"strategy.schedule={schedule}: keeps each stage's two weight versions in plain "
+            f"tensors its own parameters point at, which FSDP2's sharded and tensor "
             f"parallelism's DTensor parameters do not allow; use strategy=pp"
         )
     if microbatches < pp:
@@ -142,6 +145,25 @@ def check_pipeline(
         raise ConfigError(
             f"strategy.microbatches={microbatches}: must divide the batch of {local_batch} each "
             f"pipeline receives (data.batch_size / data-parallel degree)"
+        )
+
+
+def check_no_flush(schedule: str, microbatches: int, grad_accum: int,
+                   loss_scaling: bool) -> None:
+    """What a no-flush schedule (2bw) cannot run with (parent, before launch)."""
+    if not SCHEDULES[schedule].stale:
+        return
+    if grad_accum > 1:
+        raise ConfigError(
+            f"train.grad_accum={grad_accum}: strategy.schedule={schedule} keeps micro-batches "
+            f"in flight across optimizer steps, one schedule step each; use train.grad_accum=1 "
+            f"and strategy.microbatches={microbatches * grad_accum}"
+        )
+    if loss_scaling:
+        raise ConfigError(
+            f"precision=amp: strategy.schedule={schedule} applies each step's gradients a step "
+            f"later, under a loss scale the scaler may have changed since; use precision=bf16 "
+            f"or fp32"
         )
 
 
@@ -188,6 +210,9 @@ class Stages(nn.ModuleList):
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         super().__init__(modules)
         self.after_compute: list[Callable[[str, Any, Any], None]] = []
+        #: Ranks agree on non-finite gradients themselves (a no-flush pipeline, `NoFlush`),
+        #: so the precision leaves its per-step all-reduce of the flag out.
+        self.agrees_nonfinite = False
 
 
 class Pipeline:
@@ -220,12 +245,6 @@ class Pipeline:
             for s in self.stage_ids
         )
         self.schedule_class = schedule_class(schedule)
-        # PipeDream-2BW: the older weight version of this rank's stages, W(t-1), which the
-        # step's forward and backward run on (None: every other schedule, on the newest).
-        self.older: Stages | None = None
-        if SCHEDULES[schedule].stale:
-            self.older = copy.deepcopy(self.modules).requires_grad_(False)
-        self.on_older = False  # the stages hold the older version (inside an optimizer step)
         # Set for each step: the factor the loss is multiplied by before the schedule's
         # backward (amp's loss scale; None: not scaled), and the number the step's micro-batch
         # mean is divided by (the trainer's train.grad_accum micro-batches per optimizer step).
@@ -241,10 +260,16 @@ class Pipeline:
         self.microbatches = microbatches
         # Built at the first step, from the shapes one micro-batch takes (`build_schedule`).
         self.schedule = None
+        # PipeDream-2BW's driver and its two weight versions (None: torch's schedules).
+        self.no_flush = NoFlush(self) if SCHEDULES[schedule].stale else None
+        self.modules.agrees_nonfinite = self.no_flush is not None
         # Each step fills and drains the pipeline, so accumulating over steps leaves the
         # bubble of one step as it is (Megatron's micro-batches x accum in one schedule would
-        # shrink it; torch's schedules take a fixed n_microbatches).
+        # shrink it; torch's schedules take a fixed n_microbatches). Without a flush, the
+        # steady state has none: only drains (evaluation, checkpoints) fill and drain.
         self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
+        if self.no_flush is not None:
+            self.theory_bubble = 0.0
         # Marks (perf_counter on CPU, CUDA events on the current stream on GPU), read at log
         # points: a stage's compute of each micro-batch, and each whole schedule step.
         self.clock = clock_for(device)
@@ -362,21 +387,21 @@ class Pipeline:
         step's last schedule step (outside `accumulating`) the gradients are divided by the
         micro-batches per schedule step, so `divisor` steps give the mean gradient of all their
         micro-batches. Returns the mean loss, unscaled, sent from the last stage."""
+        if self.no_flush is not None:  # its own sequence; amp's loss scale is refused with it
+            start = self.clock.mark()
+            loss = self.no_flush.step(inputs, labels, divisor)
+            self.steps.append((start, self.clock.mark()))
+            return loss
         if self.schedule is None:
             self.build_schedule(inputs)
         start = self.clock.mark()
         self.loss_scale, self.divisor = loss_scale, divisor
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
-        if self.older is not None and not self.on_older:
-            self.swap_versions()
         self.schedule_step(*args, target=labels, losses=losses)
         if not self.accumulate:
             self.divide_gradients()
             self.add_tied_gradients()
-            if self.older is not None:
-                self.swap_versions()
-                self.restart_delay()
         self.steps.append((start, self.clock.mark()))
         last = self.holds_last
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
@@ -396,24 +421,21 @@ class Pipeline:
         finally:
             _stepping = None
 
-    def swap_versions(self) -> None:
-        """PipeDream-2BW: the stages' weights and the older version trade places (their
-        storage, not their values: no copy), so the schedule runs on the older one and the
-        gradients land on the stages' own parameters, which the optimizer steps.
+    @property
+    def older(self) -> Stages | None:
+        """PipeDream-2BW's older weight version of this rank's stages, W(t-1), when drained
+        (None: every other schedule)."""
+        return self.no_flush.older if self.no_flush is not None else None
 
-        Autocast keeps the low-precision copy of each weight it cast, keyed by the parameter,
-        until its region ends: copies cast before the swap (the stages' shapes found at the
-        first step) are dropped, or the step would run on the other version's."""
-        for own, older in zip(self.modules.parameters(), self.older.parameters(), strict=True):
-            own.data, older.data = older.data, own.data
-        torch.clear_autocast_cache()
-        self.on_older = not self.on_older
+    def drain(self) -> None:
+        """Run every micro-batch still in flight and apply every pending update (a no-flush
+        schedule; the others drain every step). Every pipeline rank calls it."""
+        if self.no_flush is not None:
+            self.no_flush.drain()
 
     def restart_delay(self) -> None:
-        """The older version set to the stages' weights: after a step's gradients are taken
-        (the optimizer then moves the stages from W(t) to W(t+1), and the next step's gradient
-        is taken at W(t)), and where a run starts from weights without an older version (a
-        fresh run, W(-1) = W(0); a checkpoint of another schedule)."""
+        """The older version set to the stages' weights, where a run starts from weights
+        without one (a checkpoint of another schedule): W(-1) = W(0)."""
         with torch.no_grad():
             for own, older in zip(self.modules.parameters(), self.older.parameters(),
                                   strict=True):

@@ -177,6 +177,8 @@ class Trainer:
             switch_at=job.switch.when.at_step if job.switch.to is not None else 0,
             switch_when=job.switch.when if job.switch.to is not None else None,
         )
+        if strategy.steps_optimizer:  # a no-flush pipeline steps each batch's update itself
+            strategy.hand_optimizer_step(trainer.optimizer_step)
         trainer.start_step = trainer.checkpointer.restore(trainer)
         if trainer.start_step and not trainer.checkpointer.rng_restored:
             torch.manual_seed(replica_seed(job.seed, data_runtime.rank, trainer.start_step))
@@ -235,15 +237,18 @@ class Trainer:
                             switch |= triggers.fires(step, metrics["train/loss"], step_s)
                 if eval_every and step % eval_every == 0 and step < steps:
                     with meter.stall() as stall:
+                        self.strategy.drain()
                         results = self.evaluate()
                     self.log({**results, "time/eval_s": stall.seconds}, step)
                 if switch:
                     return self.stop_for_switch(step, metrics)
                 if self.checkpointer.due(step):
                     with meter.stall():
+                        self.strategy.drain()
                         writer = fault.checkpoint_writer(failure, step)
                         self.log(self.checkpointer.save(self, step, writer), step)
         self.checkpointer.wait()
+        self.strategy.drain()
         final_eval = self.evaluate()
         self.log(final_eval, steps)
         return {**metrics, **final_eval, **self.checkpointer.summary(), **self.switched,
@@ -254,6 +259,7 @@ class Trainer:
         strategy resumes from (`mgpu.launch`), written and committed; no final evaluation."""
         started = time.time()
         self.checkpointer.switched = True  # a re-run resumes this one with the new strategy
+        self.strategy.drain()
         self.log(self.checkpointer.save(self, step), step)
         self.checkpointer.wait()
         return {**metrics, "step": step, "switch/started_at": started}
@@ -284,13 +290,19 @@ class Trainer:
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
             samples += len(labels)
         self.balance.after_backward()
-        with timer.phase("optimizer"):
-            carried = self.balance.carried_scale(grad_scale)
+        if not self.strategy.steps_optimizer:
+            self.optimizer_step()
+        return loss_sum, samples
+
+    def optimizer_step(self) -> None:
+        """Apply the gradients: the end of `train_step`, or where a layout that steps the
+        optimizer itself calls it (a no-flush pipeline, once a batch's gradients are complete)."""
+        with self.monitor.timer.phase("optimizer"):
+            carried = self.balance.carried_scale(self.precision.grad_scale())
             applied = self.balance.has_gradients() and self.precision.step(self.optimizer, carried)
             self.compression.end_step(applied)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        return loss_sum, samples
 
     def log_point(self, step: int, meter: StepMeter) -> tuple[dict[str, float], float]:
         """Metrics since the last log point: loss over all ranks, throughput, memory, bytes on

@@ -304,6 +304,7 @@ def train_cell(job: Job, runtime) -> dict:
         if not replicas_agree(trainer):
             diverged.append(step)
         if step == checkpoint_at:
+            trainer.strategy.drain()  # as the checkpoint does first (a no-flush pipeline)
             parts = stateful_parts(trainer)
         return loss_sum, samples
 

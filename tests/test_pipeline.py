@@ -226,21 +226,34 @@ def stale_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(tokens, labels, strict=True))
 
 
-def train_2bw_on_two_stages(output_dir: str) -> dict[str, torch.Tensor]:
-    """On each of 2 ranks: STALE_STEPS steps of schedule 2bw (2 micro-batches each), each rank
-    stepping its own stage's SGD with momentum; returns this rank's stage's weights by the
-    whole model's names."""
+def train_2bw_on_two_stages(output_dir: str) -> dict:
+    """On each of 2 ranks: STALE_STEPS steps of schedule 2bw (2 micro-batches each), each rank's
+    own stage's SGD with momentum handed to the pipeline, which steps it, then a drain; returns
+    this rank's stage's weights by the whole model's names, and after each step the
+    micro-batches it had in flight and the updates it had applied."""
     runtime = init_runtime(output_dir, 60)
     try:
         pipe = Pipeline(language_model(), dist.group.WORLD, runtime.device, "2bw", 2,
                         lambda s: s)
         [stage] = pipe.modules
         optimizer = torch.optim.SGD(stage.parameters(), lr=STALE_LR, momentum=0.9)
-        for tokens, labels in stale_batches():
-            pipe.forward_backward(tokens, labels)
+        updates = []
+
+        def update() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return {name: p.detach().clone() for name, p in stage.named_parameters()}
+            updates.append(len(updates) + 1)
+
+        pipe.no_flush.update = update
+        in_flight, applied = [], []
+        for tokens, labels in stale_batches():
+            pipe.forward_backward(tokens, labels)
+            in_flight.append(len(pipe.no_flush.in_flight))
+            applied.append(len(updates))
+        pipe.drain()
+        weights = {name: p.detach().clone() for name, p in stage.named_parameters()}
+        return {"weights": weights, "in_flight": in_flight, "applied": applied,
+                "drained": (len(pipe.no_flush.in_flight), len(updates))}
     finally:
         shutdown()
 
@@ -270,12 +283,27 @@ def test_2bw_applies_each_step_the_gradient_of_the_weights_one_step_older(tmp_pa
     both ranks (the tied embedding's two copies too) is one process's applying that rule, and
     far from the synchronous update's (so the test tells the two apart)."""
     results = launch_ranks(train_2bw_on_two_stages, 2, "stale", str(tmp_path))
+    weights = {rank: results[rank]["weights"] for rank in (0, 1)}
     stale, synchronous = one_process_weights(delay=1), one_process_weights(delay=0)
-    assert "tok_emb.weight" in results[0] and "tok_emb.weight" in results[1]
+    assert "tok_emb.weight" in weights[0] and "tok_emb.weight" in weights[1]
     for rank in (0, 1):
-        for name, weight in results[rank].items():
+        for name, weight in weights[rank].items():
             torch.testing.assert_close(weight, stale[name], rtol=1e-5, atol=1e-6,
                                        msg=f"rank {rank}: {name}")
-    off = max(float((results[rank][name] - synchronous[name]).abs().max())
-              for rank in (0, 1) for name in results[rank])
+    off = max(float((weights[rank][name] - synchronous[name]).abs().max())
+              for rank in (0, 1) for name in weights[rank])
     assert off > 1e-3, off
+
+
+@pytest.mark.dist
+def test_2bw_keeps_micro_batches_in_flight_across_steps_and_drains_on_demand(tmp_path):
+    """No flush: after every step the first of 2 stages still holds 1 micro-batch whose
+    backward is to come (1F1B's warmup of p - 1 - rank), the last none; each rank applies a
+    step's update at the end of the next step (none after the first), and a drain runs what is
+    in flight and applies the last update."""
+    results = launch_ranks(train_2bw_on_two_stages, 2, "in_flight", str(tmp_path))
+    steps = len(stale_batches())
+    for rank, ahead in ((0, 1), (1, 0)):
+        assert results[rank]["in_flight"] == [ahead] * steps, rank
+        assert results[rank]["applied"] == list(range(steps)), rank
+        assert results[rank]["drained"] == (0, steps), rank

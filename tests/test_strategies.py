@@ -142,9 +142,17 @@ def test_a_schedule_this_torch_lacks_is_one_config_error():
          "1f1b, interleaved_1f1b or looped_bfs, or strategy=pp"),
         (["strategy=hybrid", "strategy.dp=2", "strategy.pp=2", "strategy.schedule=2bw",
           "strategy.microbatches=2"],
-         "strategy.schedule=2bw: keeps each stage's older weight version by swapping plain "
-         "tensors with the stage's own, which FSDP2's sharded and tensor parallelism's DTensor "
+         "strategy.schedule=2bw: keeps each stage's two weight versions in plain tensors its "
+         "own parameters point at, which FSDP2's sharded and tensor parallelism's DTensor "
          "parameters do not allow; use strategy=pp"),
+        (["strategy=pp", "strategy.schedule=2bw", "strategy.microbatches=2",
+          "train.grad_accum=2"],
+         "train.grad_accum=2: strategy.schedule=2bw keeps micro-batches in flight across "
+         "optimizer steps, one schedule step each; use train.grad_accum=1 and "
+         "strategy.microbatches=4"),
+        (["strategy=pp", "strategy.schedule=2bw", "precision=amp"],
+         "precision=amp: strategy.schedule=2bw applies each step's gradients a step later, "
+         "under a loss scale the scaler may have changed since; use precision=bf16 or fp32"),
         (["strategy=pp", "strategy.schedule=interleaved_zb", "strategy.microbatches=5",
           "data.batch_size=60"],
          "strategy.microbatches=5: strategy.schedule=interleaved_zb runs them in 2 rounds over "
@@ -163,7 +171,8 @@ def test_a_schedule_this_torch_lacks_is_one_config_error():
          "than model.layers=6; use a schedule of one stage per rank (gpipe, 1f1b) or at most 3 "
          "pipeline ranks"),
     ],
-    ids=["dualpipev-microbatches", "hybrid-zbv", "hybrid-2bw", "interleaved_zb-rounds",
+    ids=["dualpipev-microbatches", "hybrid-zbv", "hybrid-2bw", "2bw-grad_accum", "2bw-amp",
+         "interleaved_zb-rounds",
          "interleaved_1f1b-rounds", "zbv-blocks", "hybrid-looped_bfs-blocks"],
 )
 def test_a_schedule_refuses_what_it_cannot_run_in_one_exact_line(overrides, message, tmp_path):

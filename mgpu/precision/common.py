@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -50,15 +51,22 @@ def nonfinite_grads(
     Uses the fused check GradScaler itself uses, on the part of each gradient this rank holds
     (a DTensor's local shard: sharded strategies all-reduce the flag).
     """
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    return nonfinite_in(params, device, inv_scale)
+
+
+def nonfinite_in(
+    params: Iterable[torch.Tensor], device: torch.device, inv_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`nonfinite_grads` of the gradients of `params`."""
     found = torch.zeros(1, device=device)
     by_device_dtype: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if isinstance(grad, DTensor):
-                grad = grad.to_local()
-            if grad is not None:
-                by_device_dtype[grad.device, grad.dtype].append(grad)
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            grad = grad.to_local()
+        if grad is not None:
+            by_device_dtype[grad.device, grad.dtype].append(grad)
     for (grad_device, _), grads in by_device_dtype.items():
         flag = found if grad_device == found.device else torch.zeros_like(found, device=grad_device)
         scale = inv_scale if inv_scale is not None else torch.ones((), device=grad_device)
@@ -101,7 +109,10 @@ class PrecisionBase:
         """After the strategy wrapped the model: learn the device and whether ranks may differ."""
         self.device = device
         several_ranks = dist.is_initialized() and dist.get_world_size() > 1
-        self.sync_flag = several_ranks and not isinstance(model, DistributedDataParallel)
+        # A no-flush pipeline agrees on the flag itself, off its critical path (mgpu.twobw).
+        agreed = getattr(model, "agrees_nonfinite", False)
+        self.sync_flag = several_ranks and not isinstance(model, DistributedDataParallel) \
+            and not agreed
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward(loss_seed(loss))

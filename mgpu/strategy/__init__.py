@@ -10,6 +10,7 @@ once. zero1 alone adds its own optimizer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,22 @@ class Strategy(ABC):
     def pipe(self) -> Pipeline | None:
         """The layout's pipeline, where the plan has one: it runs the step itself."""
         return self.layout.pipe if self.layout is not None else None
+
+    @property
+    def steps_optimizer(self) -> bool:
+        """The layout steps the optimizer itself, per stage, when a step's gradients are
+        complete (a no-flush pipeline: `mgpu.twobw`), given the step as `hand_optimizer_step`."""
+        return self.pipe is not None and self.pipe.no_flush is not None
+
+    def hand_optimizer_step(self, step: Callable[[], None]) -> None:
+        """Give a layout that `steps_optimizer` the run's optimizer step."""
+        self.pipe.no_flush.update = step
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight and apply its update (a no-flush pipeline),
+        before evaluation, a checkpoint or the end; every rank calls it."""
+        if self.pipe is not None:
+            self.pipe.drain()
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Context for micro-batches whose gradients are only accumulated, not synchronised.

@@ -6,8 +6,15 @@ parallelism, so every rank reads the same samples."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mgpu.parallel import ParallelPlan, PipelineOptions
+from mgpu.pipeline import check_no_flush
 from mgpu.strategy import Strategy
+
+if TYPE_CHECKING:
+    from mgpu.job import Job
+    from mgpu.options import Options
 
 
 class PP(Strategy):
@@ -24,6 +31,11 @@ class PP(Strategy):
     ) -> None:
         super().__init__(activation_checkpointing)
         self.pipeline = PipelineOptions(schedule, microbatches)
+
+    def validate(self, job: Job, options: Options) -> None:
+        super().validate(job, options)
+        check_no_flush(self.pipeline.schedule, self.pipeline.microbatches, job.train.grad_accum,
+                       options.precision.loss_scaling)
 
     def plan(self, world_size: int) -> ParallelPlan:
         return ParallelPlan(
