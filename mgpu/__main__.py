@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from mgpu import checkpoint, launch, rendezvous, tracking, worker
+from mgpu import checkpoint, launch, rendezvous, sweep, tracking, worker
 from mgpu.config import prepare
 from mgpu.errors import ConfigError, RunFailed
 from mgpu.job import GROUPS, Job
@@ -51,7 +51,7 @@ def launch_one_job(cfg: DictConfig) -> float:
     torchrun = launch.torchrun_world()
     job, options = prepare(cfg, torch.cuda.device_count(), torchrun)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        tracking.check_sweeper_direction(
+        sweep.check_sweeper_direction(
             hydra_cfg.sweeper, job.tracking.objective.direction, objective_metric(job, options))
     if torchrun:
         outcome = worker.main_under_torchrun(job, options, choices, overrides)
@@ -196,10 +196,10 @@ def main() -> None:
     try:
         app()
     except (ConfigError, RunFailed, HydraException, OmegaConfBaseException) as e:
-        tracking.end_sweep_run("FAILED")
+        sweep.end_sweep_run("FAILED")
         exit_with(e)
     except BaseException:
-        tracking.end_sweep_run("FAILED")
+        sweep.end_sweep_run("FAILED")
         raise
 
 
