@@ -65,7 +65,8 @@ from tests.oracle import (
     tolerance,
 )
 
-# One worker runs the whole tier under pytest-xdist: it launches each world size once for all.
+# Under pytest-xdist the tier's runs go in one group per world size (`by_world_size`): the
+# worker that takes a group launches its world size once for all of its cells.
 pytestmark = pytest.mark.xdist_group("matrix")
 
 STEPS, CHECKPOINT_AT = 10, 6  # resumed runs redo steps 7..10
@@ -123,17 +124,33 @@ def schedule_rows() -> dict[str, dict[str, Option]]:
 RUNS.update(schedule_rows())
 
 
+def by_world_size() -> list:
+    """Every run's name, in the xdist group of its world size."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(f"matrix-{cell_world_size(row)}"))
+            for name, row in RUNS.items()]
+
+
 #: Where a balance splits the batch by speed and several ranks share it: the last rank three
 #: times slower, so the shares become uneven within the run and the reference weighs them.
 STRAGGLER = "straggler.slowdown="
 
 
+def short_overrides(row) -> list[str]:
+    return [s for option in row.values() for s in SHORT.get(option.name, [])]
+
+
+def cell_world_size(row) -> int:
+    """The ranks a cell starts (`test_supported_combination_composes` checks it against the
+    composed job): a strategy of a fixed size (hybrid: dp x tp x pp, single) that many, else
+    what SHORT asks for, else two."""
+    return row["strategy"].declares("world_size") or (
+        4 if "launch.nproc_per_node=4" in short_overrides(row) else 2)
+
+
 def cell_overrides(row) -> list[str]:
-    short = [s for option in row.values() for s in SHORT.get(option.name, [])]
+    short = short_overrides(row)
     uneven = row["balance"].declares("uneven") and row["strategy"].name != "strategy=single"
-    # A strategy of a fixed size (hybrid: dp x tp x pp) starts that many ranks.
-    ranks = row["strategy"].declares("world_size") or (
-        4 if "launch.nproc_per_node=4" in short else 2)
+    ranks = cell_world_size(row)
     straggler = [f"{STRAGGLER}[{','.join(['1.0'] * (ranks - 1) + ['3.0'])}]"]
     # A pipeline's last stage slowed too: the simulation must reach each stage's compute.
     slowed = uneven or row["strategy"].declares("pipelined")
@@ -249,7 +266,7 @@ def test_refused_combination_fails_composition_with_its_reason(row, reason, tmp_
 @pytest.mark.parametrize("name", RUNS)
 def test_supported_combination_composes(name, tmp_path):
     job = make_job(cell_overrides(RUNS[name]), tmp_path)
-    assert job.launch.world_size in (1, 2, 4)
+    assert job.launch.world_size == cell_world_size(RUNS[name])
 
 
 # ---- the runs: one gloo group per world size, every combination in turn ----------------------
@@ -446,7 +463,7 @@ def composed(name: str, tmp_path_factory) -> Job:
 
 @pytest.mark.dist
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", by_world_size())
 def test_supported_combination_trains_and_resumes(name, matrix_results, tmp_path_factory):
     job = composed(name, tmp_path_factory)
     world_size, steps, checkpoint_at = (job.launch.world_size, job.train.steps,
@@ -533,7 +550,7 @@ def replica_batches(firsts: list[dict]) -> list:
 
 @pytest.mark.dist
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", by_world_size())
 def test_supported_combination_matches_its_reference(name, matrix_results, tmp_path_factory):
     """The uninterrupted run's weights after its steps against a single-process reference of
     the same math (`tests.oracle`), from the micro-batches each data-parallel rank read: the
