@@ -60,6 +60,8 @@ def launch_one_job(cfg: DictConfig) -> float:
         return objective(job, options, outcome.summary)
 
     uri = job.tracking.uri
+    if job.tracking.enabled:
+        tracking.check_reachable(uri)
     env = options.network.prepare_node(Path(job.output_dir))
     if launch.multi_node(job):
         return launch_on_many_nodes(job, options, env, worker.RunRequest(choices, overrides))

@@ -56,6 +56,7 @@ from mlflow.utils.validation import (
 from omegaconf import OmegaConf
 
 from mgpu.elastic import parse_nnodes
+from mgpu.errors import ConfigError
 from mgpu.job import Job
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,19 @@ def env_value(name: str, value: object) -> str:
     if any(word in name.upper() for word in SECRET_ENV_WORDS):
         return MASK
     return str(value)
+
+
+def check_reachable(uri: str) -> None:
+    """The store answers before any worker starts. A run it cannot create has no id to keep
+    records under, so an outage at the start is for the user to mend; later ones are spooled."""
+    try:
+        MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as e:
+        raise ConfigError(
+            f"tracking.uri={mask_credentials(uri)}: MLflow does not answer ({first_line(e)}); "
+            f"start it (make ui serves ./mlflow.db), set tracking.uri to a store that answers, "
+            f"or train without one: tracking.enabled=false"
+        ) from None
 
 
 def continue_run(uri: str, run_id: str | None) -> str | None:

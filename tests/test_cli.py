@@ -71,6 +71,7 @@ def test_multirun_makes_one_parent_and_a_child_per_job(cli, tmp_path):
         (["strategy=dpp"], "strategy"),
         (["train.steps=many"], "train.steps"),
         (["strategy=single", "launch.nproc_per_node=2"], "launch.nproc_per_node"),
+        (["tracking.uri=http://127.0.0.1:9"], "tracking.uri"),  # no MLflow server there
     ],
 )
 def test_bad_input_exits_with_one_line_and_no_run(cli, tmp_path, args, key):
