@@ -199,16 +199,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     set on CPU. Ranks peak differently (a pipeline's last stage holds the head and the loss),
     so one rank's own peak would not say whether the job fits; every rank must call it (one
     small all-reduce, at log points, where every rank already meets)."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = rss if sys.platform == "darwin" else rss * 1024
+    peak = local_peak_bytes(device)
     if not dist.is_initialized():
         return peak
     highest = torch.tensor(peak, dtype=torch.int64)  # CPU: every process group has gloo for it
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     return int(highest)
+
+
+def local_peak_bytes(device: torch.device) -> int:
+    """This rank's own peak: allocated device memory on CUDA, the process's resident set on
+    CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ConfigError
 from mgpu.loss import cross_entropy
+from mgpu.meter import local_peak_bytes
 from mgpu.monitor.timing import clock_for
 from mgpu.precision.padding import unpad_state_dict
 from mgpu.twobw import NoFlush
@@ -543,11 +544,16 @@ class Pipeline:
         shares = torch.tensor([idle, transfer], device=self.device, dtype=torch.float64)
         dist.all_reduce(shares)
         idle, transfer = (shares / dist.get_world_size()).tolist()
+        # Each pipeline rank's peak in its own slot, the highest over data-parallel replicas.
+        peaks = torch.zeros(self.size, dtype=torch.int64)  # CPU: gloo serves every group
+        peaks[self.rank] = local_peak_bytes(self.device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         return {
             "pp/bubble_fraction": idle,
             "pp/bubble_transfer_fraction": transfer,
             "pp/bubble_schedule_fraction": idle - transfer,
             "pp/bubble_fraction_theory": self.theory_bubble,
+            **{f"pp/peak_bytes_rank{r}": float(peak) for r, peak in enumerate(peaks.tolist())},
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

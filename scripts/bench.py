@@ -633,6 +633,87 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
     }
 
 
+#: The pipeline section's job: the language model on text at 4 processes, 8 blocks so that the
+#: two-stages-per-rank schedules have a block per stage at pp=4, 8 micro-batches (2 per stage
+#: of the V schedules; 1 sequence each under pp=2 x dp=2).
+PIPELINE_JOB = ["model=gpt", "data=text", "model.layers=8", "optim=sgd",
+                "optim.schedule=constant", "eval.every_steps=0", "checkpoint.every_steps=0"]
+#: name: (overrides, pp, dp, stages sharded by FSDP2 as hybrid shards them).
+PIPELINE_LAYOUTS = {"pp4": (["strategy=pp"], 4, 1, False),
+                    "pp2xdp2": (["strategy=hybrid", "strategy.dp=2", "strategy.pp=2"], 2, 2, True)}
+
+
+def bench_pipeline(rounds: int, workdir: Path) -> dict:
+    """Every `strategy.schedule` at pp=4 and at pp=2 x dp=2 (where hybrid runs it; a refusal is
+    recorded with its line), beside ddp on the same job: samples/s, the measured bubble over the
+    schedule's theory, the peak memory of each pipeline rank, and eval/loss after the same
+    samples; plus 2bw's throughput and eval loss against 1f1b's, at pp=4 and with one process
+    per core (pp=2, 2 processes). One round (`rounds` is not used): 15 runs keep the section to
+    a few minutes on a 2-core machine; a refused schedule is not launched, its line is the
+    parent's own check's."""
+    steps, warmup = 24, 8
+    job = [*PIPELINE_JOB, f"train.steps={steps}", f"train.warmup_steps={warmup}",
+           f"train.log_every={steps}"]
+    common = [*job, "launch.nproc_per_node=4"]
+    from mgpu.errors import ConfigError
+    from mgpu.pipeline import SCHEDULES, check_pipeline
+
+    runs: dict[str, dict] = {}
+    loadavg = [os.getloadavg()[0]]
+    ddp = run_mgpu([*common, "strategy=ddp"], workdir)
+    runs["ddp"] = {"train/samples_per_s": ddp["train/samples_per_s"],
+                   "eval/loss": ddp["eval/loss"], "memory/peak_bytes": ddp["memory/peak_bytes"]}
+    for layout, (overrides, pp, dp, sharded) in PIPELINE_LAYOUTS.items():
+        for schedule in SCHEDULES:
+            name = f"{layout}/{schedule}"
+            try:
+                check_pipeline(16, schedule, 8, pp, dp, sharded)
+            except ConfigError as refused:
+                runs[name] = {"refused": str(refused)}
+                continue
+            summary = run_mgpu([*common, *overrides, f"strategy.schedule={schedule}",
+                                "strategy.microbatches=8"], workdir)
+            measured, theory = summary["pp/bubble_fraction"], summary["pp/bubble_fraction_theory"]
+            runs[name] = {
+                "train/samples_per_s": summary["train/samples_per_s"],
+                "vs_ddp": summary["train/samples_per_s"] / ddp["train/samples_per_s"],
+                "bubble": measured, "bubble_theory": theory,
+                "bubble_transfer": summary["pp/bubble_transfer_fraction"],
+                "measured_over_theory": measured / theory if theory else None,
+                "peak_bytes_per_pipeline_rank": [
+                    summary[key] for key in sorted(k for k in summary
+                                                   if k.startswith("pp/peak_bytes_rank"))],
+                "eval/loss": summary["eval/loss"],
+            }
+        loadavg.append(os.getloadavg()[0])
+    # Four processes share two cores, so one rank's bubble is another's compute time; with
+    # one process per core (pp=2) a bubble is a core idle, which is what 2bw removes.
+    for schedule in ("1f1b", "2bw"):
+        summary = run_mgpu([*job, "launch.nproc_per_node=2", "strategy=pp",
+                            f"strategy.schedule={schedule}", "strategy.microbatches=8"], workdir)
+        runs[f"pp2_2procs/{schedule}"] = {
+            "train/samples_per_s": summary["train/samples_per_s"],
+            "bubble": summary["pp/bubble_fraction"],
+            "bubble_theory": summary["pp/bubble_fraction_theory"],
+            "eval/loss": summary["eval/loss"]}
+    loadavg.append(os.getloadavg()[0])
+
+    def ratio(layout: str) -> dict:
+        stale, flushed = runs[f"{layout}/2bw"], runs[f"{layout}/1f1b"]
+        return {"samples_per_s": stale["train/samples_per_s"] / flushed["train/samples_per_s"],
+                "eval_loss": stale["eval/loss"] / flushed["eval/loss"] - 1}
+
+    return {
+        "runs": runs,
+        "2bw_vs_1f1b": {layout: ratio(layout) for layout in ("pp4", "pp2_2procs")},
+        "load_average_1min": loadavg,
+        "setup": f"model=gpt (dim 64, 4 heads, 8 blocks) on data=text, 16 sequences of 64 bytes "
+                 f"per step, 8 micro-batches, {steps} steps ({warmup} warm-up; eval/loss after "
+                 f"the same {steps * 16} samples), SGD constant lr, 4 gloo processes; theory 0 "
+                 f"for 2bw (no flush: its steady state has no bubble)",
+    }
+
+
 #: The layouts of the scaling section at each world size; hybrid adds data parallelism to tp.
 SCALING = {
     "ddp": {n: ["strategy=ddp"] for n in (1, 2, 4)},
@@ -770,6 +851,7 @@ SECTIONS = {
     "straggler": bench_straggler,
     "compression": bench_compression,
     "strategies": bench_strategies,
+    "pipeline": bench_pipeline,
     "scaling": bench_scaling,
     "plan": bench_plan,
 }

@@ -290,6 +290,9 @@ def test_pipeline_bubble_splits_into_schedule_and_transfer_waits(tmp_path, monke
         schedule = summary["pp/bubble_schedule_fraction"]
         assert 0 <= transfer <= 1 and 0 <= schedule <= 1, summary
         assert transfer + schedule == pytest.approx(total, abs=1e-6), summary
+        # Each pipeline rank's own peak memory beside it (the process's resident set on CPU).
+        peaks = [summary.get(f"pp/peak_bytes_rank{r}", 0) for r in (0, 1)]
+        assert all(peak > 2**20 for peak in peaks) and max(peaks) <= summary["memory/peak_bytes"]
         parts[delay_s] = transfer
     assert parts[0.05] > 0.5
     assert parts[0.05] > parts[0.0], parts
