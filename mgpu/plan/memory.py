@@ -12,10 +12,10 @@ stepped once on a small parameter (AdamW: two tensors like the parameter and a s
 SGD: one momentum buffer, none at momentum 0).
 
 Activations are an estimate: the tensors autograd saves for backward in one forward of the meta
-model at the local micro-batch, split into the blocks' share and the rest; tensor parallelism
-divides the blocks' share by its degree, full recompute keeps only each block's input plus one
-block's activations, and a pipeline stage holds as many micro-batches as its schedule keeps in
-flight.
+model at the local micro-batch (a view counted once, as its base), split into the blocks' share
+and the rest; tensor parallelism divides the blocks' share by its degree, full recompute keeps
+only each block's input plus one block's activations, and a pipeline stage
+holds as many micro-batches as its schedule keeps in flight.
 """
 
 from __future__ import annotations
@@ -214,11 +214,15 @@ def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activ
     saved: dict[Any, float] = {"before": 0.0, "after": 0.0, **{i: 0.0 for i in range(len(blocks))}}
     inputs_of = [0.0] * len(blocks)
     seen: set[int] = set()
+    keep: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in seen and not is_parameter(tensor):
-            seen.add(id(tensor))
-            saved[where["at"]] += tensor.numel() * tensor.element_size() / batch
+        # A view saves no memory of its own: its base is what stays alive, counted once.
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in seen and not is_parameter(tensor):
+            seen.add(id(base))
+            keep.append(base)  # held, so that no later tensor takes its id
+            saved[where["at"]] += base.numel() * base.element_size() / batch
         return tensor
 
     def enter(i: int):
@@ -260,11 +264,15 @@ def stage_blocks(count: int, stage: int, stages_total: int) -> range:
 
 
 def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
-    """Micro-batches whose activations a pipeline rank holds at once: all of them under GPipe,
-    at most its distance to the end under 1F1B (doubled, plus a loop, when interleaved)."""
+    """Micro-batches whose activations a pipeline rank holds at once, over all its stages: all
+    of them under GPipe, and on each of its stages under the looped breadth-first schedule
+    (every forward before any backward); at most its distance to the end under 1F1B (doubled,
+    plus a loop, when interleaved)."""
     m = plan.pipeline.microbatches
     if plan.pipeline.schedule == "gpipe":
         return m
+    if plan.pipeline.schedule == "looped_bfs":
+        return m * stages_per_rank("looped_bfs")
     if plan.pipeline.schedule == "interleaved_1f1b":
         return min(2 * m, 2 * (plan.pp - pp_rank - 1) + plan.pp + 1)
     return min(m, plan.pp - pp_rank)
@@ -297,13 +305,15 @@ def activation_bytes(
 
 
 def buffer_bytes(
-    model: nn.Module, plan: ParallelPlan, rank: int, param_bytes: int, compute_size: int,
-    bucket_view: bool,
+    model: nn.Module, plan: ParallelPlan, rank: int, param_bytes: int, compute_size: int
 ) -> float:
-    """Communication buffers: DDP's gradient buckets (unless gradients are views into them);
-    FSDP's gathered block and the next one it prefetches, in the compute dtype."""
+    """Communication buffers: DDP's gradient buckets, as large as the parameters, beside the
+    gradients (even with gradient_as_bucket_view: each step's zero_grad sets gradients to None,
+    so backward allocates them anew before DDP copies them into the buckets; measured on CPU,
+    the step's peak holds both); FSDP's gathered block and the next one it prefetches, in the
+    compute dtype."""
     if isinstance(plan.data_parallel, DDPOptions):
-        return 0.0 if bucket_view else float(param_bytes)
+        return float(param_bytes)
     if not isinstance(plan.data_parallel, FSDPOptions):
         return 0.0
     at = coordinates(plan, rank)

@@ -98,9 +98,7 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
                                        zero)
     local_batch = job.data["batch_size"] // plan.dp // job.train.grad_accum
     activations = activation_bytes(acts, plan, rank, local_batch, model.element_ratio)
-    network = options.network
-    buffers = buffer_bytes(model.module, plan, rank, params, int(4 * model.element_ratio),
-                           network.gradient_as_bucket_view)
+    buffers = buffer_bytes(model.module, plan, rank, params, int(4 * model.element_ratio))
     offloaded = isinstance(plan.data_parallel, FSDPOptions) and plan.data_parallel.cpu_offload
     return RankMemory(params, grads, optim, activations, buffers, offloaded)
 
