@@ -389,8 +389,10 @@ def write_record(entry: Record) -> None:
 def refused(error: Exception) -> bool:
     """Whether the store answered and refused a record (a 4xx: a param logged before with
     another value, a run deleted): writing it again would fail again. Anything else (no
-    answer, 5xx, 429, a locked SQLite file) is an outage, which ends."""
-    if not isinstance(error, MlflowException):
+    answer, 5xx, 429, a locked SQLite file) is an outage, which ends; so is a store that does
+    not hold the run at all (its SQLite file removed, and made anew empty): it holds it again
+    once the file is restored."""
+    if not isinstance(error, MlflowException) or error.error_code == "RESOURCE_DOES_NOT_EXIST":
         return False
     status = error.get_http_status_code()
     return 400 <= status < 500 and status != 429

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -180,3 +181,35 @@ def test_a_run_whose_server_goes_away_exits_0_and_sync_writes_all_it_kept(server
     assert steps_of(client, run_id, "eval/accuracy") == list(range(eval_every, steps + 1,
                                                                    eval_every))
     assert "plan/error_step_time" in finished.data.metrics  # the parent's, after the run
+
+
+def test_a_store_made_anew_without_the_run_keeps_its_points_for_sync(tmp_path, caplog):
+    """A removed SQLite file is made anew, empty, by the next process that opens the store (the
+    next job, `make ui`): it answers, but no longer holds the run. The run's points are kept,
+    not dropped, and `sync` writes them once the file is restored."""
+    saved = tmp_path / "saved.db"
+    client = MlflowClient(f"sqlite:///{saved}")
+    run_id = client.create_run(client.create_experiment("removed")).info.run_id
+    client.log_metric(run_id, "train/loss", 1.0, step=1)
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    MlflowClient(uri).search_experiments()  # the file made anew
+    out = tmp_path / "out"
+    caplog.set_level(logging.INFO, logger="mgpu.tracking")
+    logger = tracking.MetricLogger(uri, run_id, out, flush_every_s=0.2)
+    for step in range(2, 6):
+        logger.log({"train/loss": 1.0 / step}, step)
+    logger.close()
+    assert sum(len(r["metrics"]) for r in spooled(out)) == 4
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "mgpu.tracking" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "not found" in warnings[0], warnings
+
+    saved.replace(db)  # restored
+    sync = subprocess.run([sys.executable, "-m", "mgpu.tracking", "sync", str(out)],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert sync.returncode == 0, sync.stderr
+    with sqlite3.connect(db) as store:  # this process's MLflow holds the made-anew file open
+        steps = store.execute("SELECT step FROM metrics WHERE run_uuid = ? AND key = ? "
+                              "ORDER BY step", (run_id, "train/loss")).fetchall()
+    assert [step for (step,) in steps] == [1, 2, 3, 4, 5]
