@@ -110,6 +110,9 @@ class NoFlush:
         self.sends: list[tuple] = []
         self.sent_before: list[tuple] = []
         self.shapes: tuple[torch.Tensor, torch.Tensor] | None = None  # input, output (meta)
+        # The next forward's activation, its receive posted ahead (within a step: the last
+        # forward of a step posts none, so nothing is left waiting when training ends).
+        self.next_given: tuple | None = None
         #: The optimizer step of this rank's stages (the trainer's); called once per batch.
         self.update: Callable[[], None] | None = None
 
@@ -135,8 +138,9 @@ class NoFlush:
         forwards = 0
         while forwards < m or len(self.in_flight) > self.ahead:
             if forwards < m and len(self.in_flight) <= self.ahead:
-                losses.extend(self.forward(module, batch, *next(pieces), divisor))
                 forwards += 1
+                losses.extend(self.forward(module, batch, *next(pieces), divisor,
+                                           more=forwards < m))
             else:
                 self.backward()
         while self.finished and self.finished[0].batch < batch:
@@ -159,13 +163,15 @@ class NoFlush:
         self.sent_before, self.sends = [], []
 
     def forward(self, module: torch.nn.Module, batch: int, inputs: torch.Tensor,
-                labels: torch.Tensor, divisor: float) -> list[torch.Tensor]:
-        """One micro-batch's forward; on the last stage its loss and, at once, its backward."""
+                labels: torch.Tensor, divisor: float, more: bool) -> list[torch.Tensor]:
+        """One micro-batch's forward (`more`: another follows in this step, whose activation's
+        receive is posted now); on the last stage its loss and, at once, its backward."""
         pipe = self.pipe
         given = None
         if not self.first:
-            given = torch.empty_like(self.shapes[0], device=pipe.device)
-            self.wait(self.receive(given, self.stage_id - 1, ACTIVATION_TAG))
+            work, given = self.next_given or self.post_activation()
+            self.next_given = self.post_activation() if more else None
+            self.wait(work)
             given.requires_grad_(True)
         made = pipe.timed(module, "forward")(inputs if self.first else given)
         record = InFlight(batch, given, made)
@@ -180,6 +186,11 @@ class NoFlush:
         record.gradient = (self.receive(gradient, self.stage_id + 1, GRADIENT_TAG), gradient)
         self.in_flight.append(record)
         return []
+
+    def post_activation(self) -> tuple:
+        """(work, tensor): a posted receive of the next activation from the stage before."""
+        given = torch.empty_like(self.shapes[0], device=self.pipe.device)
+        return self.receive(given, self.stage_id - 1, ACTIVATION_TAG), given
 
     def backward(self) -> None:
         """The oldest in-flight micro-batch's backward, its input's gradient sent back."""
