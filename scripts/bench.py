@@ -800,6 +800,21 @@ def plan_grid(rows: list) -> list:
     return grid
 
 
+def measure_plan_links(workdir: Path) -> str:
+    """The links the planner prices collectives with, measured here by task=commbench at the
+    plan job's world size (gloo's latency on shared cores is far above the stated default),
+    into a cache of the bench's own, which this process and its runs read; returns its path."""
+    cache = workdir / "plan-cache"
+    os.environ["MGPU_CACHE_DIR"] = str(cache)
+    subprocess.run(
+        [sys.executable, "-m", "mgpu", "task=commbench", "task.max_bytes=4194304",
+         *[o for o in PLAN_JOB if o.startswith("launch.")], "tracking.enabled=false",
+         f"hydra.run.dir={workdir / 'plan-commbench'}"],
+        cwd=workdir, check=True, capture_output=True, text=True,
+    )
+    return str(next(cache.glob("commbench-*.json")))
+
+
 def bench_plan(rounds: int, workdir: Path) -> dict:
     """The planner against measurement on model=gpt at 4 processes: predicted vs measured step
     time (p50) per layout of a grid, and where strategy=auto's pick lands against the fastest
@@ -808,6 +823,7 @@ def bench_plan(rounds: int, workdir: Path) -> dict:
     steps, warmup = 30, 10
     common = [*PLAN_JOB, f"train.steps={steps}", f"train.warmup_steps={warmup}",
               "train.log_every=10", "eval.every_steps=0", "checkpoint.every_steps=0"]
+    links = measure_plan_links(workdir)
     rows = plan_rows(common)
     grid = plan_grid(rows)
     measured: dict[str, list[float]] = {row.candidate.name: [] for row in grid}
@@ -837,7 +853,8 @@ def bench_plan(rounds: int, workdir: Path) -> dict:
         "median_abs_error": statistics.median(abs(v["error"]) for v in per_layout.values()),
         "setup": f"model=gpt (dim 64, 4 heads, 4 blocks) on data=text, 4 processes, "
                  f"{len(rows)} layouts planned, {len(grid)} timed, {steps} steps ({warmup} "
-                 f"warm-up), SGD, gloo; best = fastest measured of the timed grid",
+                 f"warm-up), SGD, gloo; best = fastest measured of the timed grid; links "
+                 f"measured by task=commbench at 4 processes ({links})",
     }
 
 
