@@ -278,6 +278,8 @@ class Pipeline:
         self.steps: list[tuple] = []
         # The schedule's waits on its sends and receives (`watch_transfers`).
         self.waits: list[tuple] = []
+        # Seconds one step's messages take to reach this rank once sent (`time_transfers`).
+        self.transfer_s_per_step = 0.0
 
     def build_schedule(self, inputs: torch.Tensor) -> None:
         """The stages and their schedule, each stage given its input and output shapes and
@@ -286,6 +288,7 @@ class Pipeline:
         and on uninitialised memory at the others: BatchNorm's running statistics take an extra
         update, from garbage (a CNN's stages would then evaluate with them)."""
         examples = self.stage_examples(inputs)
+        self.time_transfers(examples)
         stages = [
             PipelineStage(module, s, self.num_stages, self.device, input_args=given,
                           output_args=made, group=self.group)
@@ -364,10 +367,11 @@ class Pipeline:
         """The schedule's loss of one micro-batch: the schedule runs backward from it itself,
         so the loss is divided here by `divisor` (its schedule step's weight in the optimizer
         step), and a loss scale goes in here too (in fp32, as amp scales a loss)."""
-        loss = cross_entropy(logits, labels)
-        if self.divisor != 1:
-            loss = loss / self.divisor
-        return loss if self.loss_scale is None else loss.float() * self.loss_scale
+        with self.computing():
+            loss = cross_entropy(logits, labels)
+            if self.divisor != 1:
+                loss = loss / self.divisor
+            return loss if self.loss_scale is None else loss.float() * self.loss_scale
 
     @contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -441,6 +445,60 @@ class Pipeline:
             for own, older in zip(self.modules.parameters(), self.older.parameters(),
                                   strict=True):
                 older.copy_(own)
+
+    def time_transfers(self, examples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Measure, once, the seconds a step's messages take to reach this rank: each stage
+        boundary it sits on carries m activations forward and m gradients back, of one shape;
+        a ping-pong of that shape with the rank across the boundary gives one message's time.
+        A marked wait longer than that is a wait on the peer's schedule (`bubble_metrics`).
+
+        Every pipeline rank calls it; boundaries are taken in stage order, so each rank's
+        partner in its next one is free by then (no cycle of waits)."""
+        shapes = {s: example for s, example in zip(self.stage_ids, examples, strict=True)}
+        total = 0.0
+        for s in range(self.num_stages - 1):
+            sender, receiver = self.stage_rank[s], self.stage_rank[s + 1]
+            if sender == receiver or self.rank not in (sender, receiver):
+                continue
+            shape = shapes[s][1] if self.rank == sender else shapes[s + 1][0]
+            message = torch.zeros(shape.shape, dtype=shape.dtype, device=self.device)
+            peer = receiver if self.rank == sender else sender
+            total += self.microbatches * self.one_way_seconds(message, peer, self.rank == sender)
+        self.transfer_s_per_step = total
+
+    def one_way_seconds(self, message: torch.Tensor, peer: int, leads: bool,
+                        rounds: int = 5) -> float:
+        """Half the median round trip of `message` between this rank and pipeline rank `peer`
+        (after one unmeasured trip), as the leading side times it; the other side is sent the
+        figure, so both use one value."""
+        trips = []
+        for _ in range(rounds + 1):
+            start = self.clock.mark()
+            if leads:
+                dist.send(message, group=self.group, group_dst=peer)
+                dist.recv(message, group=self.group, group_src=peer)
+            else:
+                dist.recv(message, group=self.group, group_src=peer)
+                dist.send(message, group=self.group, group_dst=peer)
+            trips.append((start, self.clock.mark()))
+        figure = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if leads:
+            seconds = sorted(self.clock.seconds(start, end) for start, end in trips[1:])
+            figure[0] = seconds[len(seconds) // 2] / 2
+            dist.send(figure, group=self.group, group_dst=peer)
+        else:
+            dist.recv(figure, group=self.group, group_src=peer)
+        return float(figure[0])
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Mark what runs within as the stage's compute (busy time): the loss of the last
+        stage's micro-batch, which the schedules compute apart from the stage's forward."""
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self.busy.append((start, self.clock.mark()))
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits for a whole batch, passed stage to stage (any batch size, no micro-batches).
@@ -527,8 +585,11 @@ class Pipeline:
 
     def bubble_metrics(self) -> dict[str, float]:
         """Share of step time this rank's stages were not computing, mean over all ranks, and
-        its two parts: the schedule's waits on its sends and receives (transfer), and the rest
-        (schedule: between computes and waits, the schedule's own work and order).
+        its three parts: transfer (the time this rank's messages take once sent, measured by
+        `time_transfers`, at most the time it waited on sends and receives), schedule (the rest
+        of those waits: a peer still computing what this rank needs, the bubble a schedule's
+        theory predicts) and overhead (idle time outside any wait: the schedule's own work
+        between computes).
 
         Reads the marks since the last call: on CUDA the events are complete by now (the log
         point has waited for the device), so no micro-batch ever waited for one.
@@ -537,13 +598,15 @@ class Pipeline:
             sum(self.clock.seconds(start, end) for start, end in marks)
             for marks in (self.busy, self.steps, self.waits)
         )
+        transfer_s = min(self.transfer_s_per_step * len(self.steps), wait_s)
         for marks in (self.busy, self.steps, self.waits):
             marks.clear()
         idle = 1 - busy_s / step_s if step_s else 0.0
-        transfer = min(wait_s / step_s, idle) if step_s else 0.0
-        shares = torch.tensor([idle, transfer], device=self.device, dtype=torch.float64)
+        waited = min(wait_s / step_s, idle) if step_s else 0.0
+        transfer = min(transfer_s / step_s, waited) if step_s else 0.0
+        shares = torch.tensor([idle, waited, transfer], device=self.device, dtype=torch.float64)
         dist.all_reduce(shares)
-        idle, transfer = (shares / dist.get_world_size()).tolist()
+        idle, waited, transfer = (shares / dist.get_world_size()).tolist()
         # Each pipeline rank's peak in its own slot, the highest over data-parallel replicas.
         peaks = torch.zeros(self.size, dtype=torch.int64)  # CPU: gloo serves every group
         peaks[self.rank] = local_peak_bytes(self.device)
@@ -551,7 +614,8 @@ class Pipeline:
         return {
             "pp/bubble_fraction": idle,
             "pp/bubble_transfer_fraction": transfer,
-            "pp/bubble_schedule_fraction": idle - transfer,
+            "pp/bubble_schedule_fraction": waited - transfer,
+            "pp/bubble_overhead_fraction": idle - waited,
             "pp/bubble_fraction_theory": self.theory_bubble,
             **{f"pp/peak_bytes_rank{r}": float(peak) for r, peak in enumerate(peaks.tolist())},
         }

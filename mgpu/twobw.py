@@ -128,7 +128,9 @@ class NoFlush:
         module docstring)."""
         pipe = self.pipe
         if self.shapes is None:
-            [self.shapes] = pipe.stage_examples(inputs)
+            examples = pipe.stage_examples(inputs)
+            pipe.time_transfers(examples)
+            [self.shapes] = examples
         self.started += 1
         batch = self.started
         module = self.versions[batch % 2][0]
@@ -176,7 +178,8 @@ class NoFlush:
         made = pipe.timed(module, "forward")(inputs if self.first else given)
         record = InFlight(batch, given, made)
         if self.last:
-            loss = cross_entropy(made, labels)
+            with pipe.computing():
+                loss = cross_entropy(made, labels)
             record.made = loss / divisor if divisor != 1 else loss
             self.in_flight.append(record)
             self.backward()

@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch.distributed import pipelining
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from mgpu.errors import ConfigError
 from mgpu.model.gpt import GPT as GPTModel
+from mgpu.monitor.timing import clock_for
 from mgpu.options import build
 from mgpu.parallel import recompute_activations
 from mgpu.pipeline import SCHEDULES, schedule_class, stage_ids, stages_per_rank
-from tests.conftest import assert_refused, make_job, train_on_this_rank
+from tests.conftest import assert_refused, launch_ranks, make_job, train_on_this_rank
 from tests.test_ddp import SGD, assert_weights_close
 
 # Whichever dist test runs first also launches the single-process reference.
@@ -245,57 +245,63 @@ def test_pipeline_bubble_is_the_idle_share_measured_from_stage_marks(layout, tmp
     assert logged == pytest.approx(measured, abs=0.02), (logged, measured)
 
 
-class SlowWork:
-    """A send or receive whose wait first sleeps `delay_s`: a slow link, in the test only."""
-
-    def __init__(self, work, delay_s: float) -> None:
-        self.work, self.delay_s = work, delay_s
-
-    def wait(self, *args, **kwargs):
-        time.sleep(self.delay_s)
-        return self.work.wait(*args, **kwargs)
-
-
-def train_with_slow_transfers(job, delay_s: float) -> dict:
-    """Per rank: the job's summary, every send and receive the schedules issue waited on
-    `delay_s` longer (0: as they are)."""
-    if delay_s:
-        issue = torch_schedules._batch_p2p
-
-        def slow(*args, **kwargs):
-            return [SlowWork(work, delay_s) for work in issue(*args, **kwargs)]
-
-        torch_schedules._batch_p2p = slow
+def train_one_job(job) -> dict:
+    """Per rank: the job's summary."""
     summary, _ = train_on_this_rank(job)
     return summary
 
 
 @pytest.mark.dist
-def test_pipeline_bubble_splits_into_schedule_and_transfer_waits(tmp_path, monkeypatch):
-    """On 2 gloo stages the bubble's two parts are shares of the step that add up to it, and
-    transfers made 50 ms slower each (far longer than a micro-batch's compute here) move the
-    idle time into the transfer part."""
-    job = make_job([*GPT, "strategy=pp", "strategy.schedule=1f1b", "train.steps=6",
-                    "train.warmup_steps=0", "train.log_every=3", "checkpoint.every_steps=0"],
-                   tmp_path)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="bubble-split",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                          start_method="spawn", monitor_interval=0.1, max_restarts=0)
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as mgpu.launch does
+def test_pipeline_bubble_splits_into_transfer_schedule_and_overhead(tmp_path):
+    """On 2 gloo stages the bubble's three parts are shares of the step that add up to it; with
+    the last stage's compute made 4 times as long (a simulated straggler), the first stage's
+    wait for it is the schedule part (a peer still computing), not transfer: this model's
+    activations move in microseconds."""
     parts = {}
-    for delay_s in (0.0, 0.05):
-        summary = elastic_launch(config, train_with_slow_transfers)(job, delay_s)[0]
-        total = summary["pp/bubble_fraction"]
-        transfer = summary["pp/bubble_transfer_fraction"]
-        schedule = summary["pp/bubble_schedule_fraction"]
-        assert 0 <= transfer <= 1 and 0 <= schedule <= 1, summary
-        assert transfer + schedule == pytest.approx(total, abs=1e-6), summary
+    for name, slowdown in (("even", "[]"), ("slowed", "[1.0,4.0]")):
+        job = make_job([*GPT, "strategy=pp", "strategy.schedule=1f1b", "train.steps=6",
+                        "train.warmup_steps=0", "train.log_every=3", "checkpoint.every_steps=0",
+                        f"straggler.slowdown={slowdown}"], tmp_path / name)
+        summary = launch_ranks(train_one_job, 2, "bubble-split", job)[0]
+        shares = {part: summary[f"pp/bubble_{part}_fraction"]
+                  for part in ("transfer", "schedule", "overhead")}
+        assert all(0 <= share <= 1 for share in shares.values()), summary
+        assert sum(shares.values()) == pytest.approx(summary["pp/bubble_fraction"], abs=1e-6)
         # Each pipeline rank's own peak memory beside it (the process's resident set on CPU).
         peaks = [summary.get(f"pp/peak_bytes_rank{r}", 0) for r in (0, 1)]
         assert all(peak > 2**20 for peak in peaks) and max(peaks) <= summary["memory/peak_bytes"]
-        parts[delay_s] = transfer
-    assert parts[0.05] > 0.5
-    assert parts[0.05] > parts[0.0], parts
+        parts[name] = shares
+    slowed = parts["slowed"]
+    assert slowed["schedule"] > 0.25, parts
+    assert slowed["transfer"] < 0.05, parts
+
+
+def one_way_times(sizes: list[int]) -> list[float]:
+    """Per rank of a 2-rank pipeline group: `Pipeline.one_way_seconds` for a float32 message
+    of each of `sizes` elements, rank 0 leading."""
+    import torch.distributed as dist
+
+    from mgpu.pipeline import Pipeline
+
+    dist.init_process_group("gloo")
+    try:
+        pipe = types.SimpleNamespace(group=dist.group.WORLD, device=torch.device("cpu"),
+                                     clock=clock_for(torch.device("cpu")))
+        rank = dist.get_rank()
+        return [Pipeline.one_way_seconds(pipe, torch.zeros(size), 1 - rank, rank == 0)
+                for size in sizes]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_a_messages_transfer_time_is_measured_on_the_link_and_shared():
+    """The transfer part's unit, one message's one-way time, is measured over the real link:
+    64 MiB take far longer than 4 bytes, and both ends of the link hold the same figure."""
+    times = launch_ranks(one_way_times, 2, "one-way", [1, 16 * 2**20])
+    assert times[0] == times[1]
+    small, large = times[0]
+    assert 0 < small and large > 10 * small, times
 
 
 @pytest.mark.dist
