@@ -613,6 +613,7 @@ def bench_strategies(rounds: int, workdir: Path) -> dict:
     keep = ("train/samples_per_s", "comm/bytes_per_step", "memory/param_bytes_per_rank",
             "memory/optimizer_bytes_per_rank", "memory/peak_bytes", "pp/bubble_fraction",
             "pp/bubble_transfer_fraction", "pp/bubble_schedule_fraction",
+            "pp/bubble_overhead_fraction",
             "pp/bubble_fraction_theory", "eval/loss", "eval/accuracy")
     samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
     figures: dict[str, dict] = {}
@@ -679,6 +680,8 @@ def bench_pipeline(rounds: int, workdir: Path) -> dict:
                 "vs_ddp": summary["train/samples_per_s"] / ddp["train/samples_per_s"],
                 "bubble": measured, "bubble_theory": theory,
                 "bubble_transfer": summary["pp/bubble_transfer_fraction"],
+                "bubble_schedule": summary["pp/bubble_schedule_fraction"],
+                "bubble_overhead": summary["pp/bubble_overhead_fraction"],
                 "measured_over_theory": measured / theory if theory else None,
                 "peak_bytes_per_pipeline_rank": [
                     summary[key] for key in sorted(k for k in summary
@@ -711,6 +714,75 @@ def bench_pipeline(rounds: int, workdir: Path) -> dict:
                  f"per step, 8 micro-batches, {steps} steps ({warmup} warm-up; eval/loss after "
                  f"the same {steps * 16} samples), SGD constant lr, 4 gloo processes; theory 0 "
                  f"for 2bw (no flush: its steady state has no bubble)",
+    }
+
+
+#: The wide pipeline section's job: a gpt wide enough that a stage's compute of a micro-batch
+#: (tens of ms on CPU) dwarfs moving its activation (a fraction of a ms), on 2 stages with one
+#: process per core, so a bubble is a core left idle.
+WIDE_PIPELINE_JOB = ["model=gpt", "data=text", "model.dim=256", "model.layers=8",
+                     "data.batch_size=32", "checkpoint.every_steps=0", "launch.nproc_per_node=2",
+                     "strategy=pp"]
+
+
+def bubble_parts(summary: dict) -> dict:
+    """A pipeline run's samples/s and its bubble's parts against the schedule's theory, with
+    the stages' compute time over their transfer time."""
+    idle, theory = summary["pp/bubble_fraction"], summary["pp/bubble_fraction_theory"]
+    schedule = summary["pp/bubble_schedule_fraction"]
+    transfer = summary["pp/bubble_transfer_fraction"]
+    return {
+        "train/samples_per_s": summary["train/samples_per_s"],
+        "bubble": idle, "bubble_theory": theory,
+        "bubble_schedule": schedule, "bubble_transfer": transfer,
+        "bubble_overhead": summary["pp/bubble_overhead_fraction"],
+        "measured_over_theory": idle / theory if theory else None,
+        "schedule_over_theory": schedule / theory if theory else None,
+        "compute_over_transfer": (1 - idle) / transfer if transfer else None,
+    }
+
+
+def bench_pipeline_wide(rounds: int, workdir: Path) -> dict:
+    """Where stage compute dominates transfers (`WIDE_PIPELINE_JOB`): gpipe, 1f1b and
+    interleaved_1f1b at m = 4 and 8 (m >= 2p), each bubble's schedule part against the
+    schedule's theory; then 2bw against 1f1b at m = 4, samples/s and eval/loss after the same
+    samples (AdamW, cosine with a 10 % warm-up) at two learning rates: a one-step-stale update
+    costs more the larger the step. One round (`rounds` is not used)."""
+    runs: dict[str, dict] = {}
+    loadavg = [os.getloadavg()[0]]
+    short = [*WIDE_PIPELINE_JOB, "optim=sgd", "optim.schedule=constant", "train.steps=20",
+             "train.warmup_steps=5", "train.log_every=20", "eval.every_steps=0"]
+    for m in (4, 8):
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+            summary = run_mgpu([*short, f"strategy.schedule={schedule}",
+                                f"strategy.microbatches={m}"], workdir)
+            runs[f"m{m}/{schedule}"] = bubble_parts(summary)
+    loadavg.append(os.getloadavg()[0])
+    steps = 150
+    stale: dict[str, dict] = {}
+    for lr in (2e-3, 5e-4):
+        for schedule in ("1f1b", "2bw"):
+            summary = run_mgpu([*WIDE_PIPELINE_JOB, "optim=adamw", f"optim.lr={lr}",
+                                "optim.schedule=cosine", f"optim.warmup_steps={steps // 10}",
+                                f"train.steps={steps}", "train.warmup_steps=5",
+                                f"train.log_every={steps // 3}", "eval.every_steps=0",
+                                f"strategy.schedule={schedule}", "strategy.microbatches=4"],
+                               workdir)
+            runs[f"adamw_lr{lr}/{schedule}"] = {**bubble_parts(summary),
+                                               "eval/loss": summary["eval/loss"]}
+        flushed, delayed = runs[f"adamw_lr{lr}/1f1b"], runs[f"adamw_lr{lr}/2bw"]
+        stale[f"lr{lr}"] = {
+            "samples_per_s": delayed["train/samples_per_s"] / flushed["train/samples_per_s"],
+            "eval_loss": delayed["eval/loss"] / flushed["eval/loss"] - 1}
+        loadavg.append(os.getloadavg()[0])
+    return {
+        "runs": runs,
+        "2bw_vs_1f1b": stale,
+        "load_average_1min": loadavg,
+        "setup": "model=gpt (dim 256, 4 heads, 8 blocks) on data=text, 32 sequences of 64 bytes "
+                 "per step, pp=2 on 2 gloo processes (one per core); schedules: 20 steps (5 "
+                 f"warm-up), SGD; 2bw against 1f1b: {steps} steps, AdamW, eval/loss after the "
+                 f"same {steps * 32} samples",
     }
 
 
@@ -869,6 +941,7 @@ SECTIONS = {
     "compression": bench_compression,
     "strategies": bench_strategies,
     "pipeline": bench_pipeline,
+    "pipeline_wide": bench_pipeline_wide,
     "scaling": bench_scaling,
     "plan": bench_plan,
 }
