@@ -13,14 +13,18 @@ SGD: one momentum buffer, none at momentum 0).
 
 Activations are an estimate: the tensors autograd saves for backward in one forward of the meta
 model at the local micro-batch (a view counted once, as its base), split into the blocks' share
-and the rest; tensor parallelism divides the blocks' share by its degree, full recompute keeps
-only each block's input plus one block's activations, and a pipeline stage
-holds as many micro-batches as its schedule keeps in flight.
+and the rest; tensor parallelism divides what a block saves between a column-wise layer's output
+and a row-wise layer's output by its degree (the norms, the residual stream and the column-wise
+layers' inputs stay whole on every rank), full recompute keeps only each block's input and
+rebuilds one block's activations for the micro-batch in backward, and a pipeline rank holds what
+its schedule's own action order keeps in flight (each forward's micro-batch until the backward
+that frees it). Beside them: the loaded batch, and a pipeline stage's receive buffers.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from mgpu.loss import cross_entropy
 from mgpu.parallel import DDPOptions, FSDPOptions, ParallelPlan
 from mgpu.parallel.plan import MESH_DIMS
-from mgpu.pipeline import stages_per_rank
+from mgpu.pipeline import SCHEDULES, schedule_class, stage_ids, stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,16 @@ class Activations:
     #: Each block's saved tensors, and the bytes of each block's input.
     blocks: list[float] = field(default_factory=list)
     block_inputs: list[float] = field(default_factory=list)
+    #: Of each block's saved tensors, those tensor parallelism splits: saved after a
+    #: column-wise layer's output and before a row-wise layer's output.
+    blocks_split: list[float] = field(default_factory=list)
+    #: One sample's input and label, as the loader hands them.
+    sample: float = 0.0
+    #: Each block's outputs of its layers that hold weights (their gradients are what a split
+    #: backward's input half keeps for its weight half), and the same before and after.
+    block_outputs: list[float] = field(default_factory=list)
+    outputs_before: float = 0.0
+    outputs_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,8 @@ class RankMemory:
     buffers: float
     #: Parameters, gradients and optimizer state live in host memory (FSDP's cpu_offload).
     offloaded: bool = False
+    #: The batch the loader hands the step.
+    batch: float = 0.0
 
     @property
     def state(self) -> int:
@@ -92,7 +108,8 @@ class RankMemory:
     @property
     def device(self) -> float:
         """What the device must hold at the peak: all of it, less what lives on the host."""
-        return (0 if self.offloaded else self.state) + self.activations + self.buffers
+        return ((0 if self.offloaded else self.state) + self.activations + self.buffers
+                + self.batch)
 
 
 def optimizer_cost(optim: Any) -> OptimizerCost:
@@ -133,10 +150,9 @@ def stages(model: nn.Module, plan: ParallelPlan, pp_rank: int) -> list[nn.Module
     """The modules a pipeline rank holds (a meta copy cut per stage), or the model itself."""
     if plan.pipeline is None:
         return [model]
-    per_rank = stages_per_rank(plan.pipeline.schedule)
-    count = plan.pp * per_rank
-    return [copy.deepcopy(model).pipeline_stage(pp_rank + k * plan.pp, count)
-            for k in range(per_rank)]
+    count = plan.pp * stages_per_rank(plan.pipeline.schedule)
+    return [copy.deepcopy(model).pipeline_stage(s, count)
+            for s in stage_ids(plan.pipeline.schedule, pp_rank, plan.pp)]
 
 
 def tp_split_dims(module: nn.Module, plan: ParallelPlan) -> dict[str, int]:
@@ -208,11 +224,14 @@ def state_bytes(
 
 def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activations:
     """The bytes autograd saves per sample in one forward and loss of the meta `model`,
-    attributed to its blocks (and each block's input) or to what runs before or after them."""
+    attributed to its blocks (and each block's input) or to what runs before or after them; of
+    a block's, also those saved inside its tensor-parallel regions (`tp_regions`)."""
     blocks = model.blocks()
-    where = {"at": "before"}
+    where = {"at": "before", "split": False}
     saved: dict[Any, float] = {"before": 0.0, "after": 0.0, **{i: 0.0 for i in range(len(blocks))}}
+    split = [0.0] * len(blocks)
     inputs_of = [0.0] * len(blocks)
+    outputs: dict[Any, float] = dict.fromkeys(["before", "after", *range(len(blocks))], 0.0)
     seen: set[int] = set()
     keep: list[torch.Tensor] = []
 
@@ -222,7 +241,10 @@ def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activ
         if id(base) not in seen and not is_parameter(tensor):
             seen.add(id(base))
             keep.append(base)  # held, so that no later tensor takes its id
-            saved[where["at"]] += base.numel() * base.element_size() / batch
+            size = base.numel() * base.element_size() / batch
+            saved[where["at"]] += size
+            if where["split"] and isinstance(where["at"], int):
+                split[where["at"]] += size
         return tensor
 
     def enter(i: int):
@@ -235,8 +257,16 @@ def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activ
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         where["at"] = "after"
 
+    def weighted(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            outputs[where["at"]] += output.numel() * output.element_size() / batch
+
     handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
     handles += [b.register_forward_hook(leave) for b in blocks]
+    handles += tp_regions(model, where)
+    handles += [m.register_forward_hook(weighted) for m in model.modules()
+                if next(m.children(), None) is None
+                and next(m.parameters(recurse=False), None) is not None]
     try:
         dtype = torch.long if len(input_shape) == 1 else torch.float32
         inputs = torch.zeros(batch, *input_shape, dtype=dtype, device="meta")
@@ -247,8 +277,36 @@ def saved_activations(model: nn.Module, input_shape: tuple, batch: int) -> Activ
     finally:
         for handle in handles:
             handle.remove()
+    sample = (inputs.numel() * inputs.element_size() + labels.numel() * labels.element_size())
     return Activations(saved["before"], saved["after"],
-                       [saved[i] for i in range(len(blocks))], inputs_of)
+                       [saved[i] for i in range(len(blocks))], inputs_of, split, sample / batch,
+                       [outputs[i] for i in range(len(blocks))], outputs["before"],
+                       outputs["after"])
+
+
+def tp_regions(model: nn.Module, where: dict[str, Any]) -> list[Any]:
+    """Hooks that set `where["split"]` while a block runs between a column-wise layer's output
+    and a row-wise layer's output, by the model's tensor-parallel plan: what is saved there
+    (attention's heads, the MLP's hidden layer, the row-wise layer's input) is split over the
+    tp ranks; what a column-wise layer saves of its own input is whole on each."""
+    if not hasattr(model, "tp_plan"):
+        return []
+
+    def opens(module: nn.Module, args: tuple, output: Any) -> None:
+        where["split"] = True
+
+    def closes(module: nn.Module, args: tuple, output: Any) -> None:
+        where["split"] = False
+
+    handles = []
+    for block in model.blocks():
+        for path, style in model.tp_plan(False).items():
+            layer = block.get_submodule(path)
+            if isinstance(style, ColwiseParallel):
+                handles.append(layer.register_forward_hook(opens))
+            elif isinstance(style, RowwiseParallel):
+                handles.append(layer.register_forward_hook(closes))
+    return handles
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:
@@ -263,19 +321,107 @@ def stage_blocks(count: int, stage: int, stages_total: int) -> range:
     return range(bounds[stage], bounds[stage + 1])
 
 
-def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
-    """Micro-batches whose activations a pipeline rank holds at once, over all its stages: all
-    of them under GPipe, and on each of its stages under the looped breadth-first schedule
-    (every forward before any backward); at most its distance to the end under 1F1B (doubled,
-    plus a loop, when interleaved)."""
-    m = plan.pipeline.microbatches
-    if plan.pipeline.schedule == "gpipe":
-        return m
-    if plan.pipeline.schedule == "looped_bfs":
-        return m * stages_per_rank("looped_bfs")
-    if plan.pipeline.schedule == "interleaved_1f1b":
-        return min(2 * m, 2 * (plan.pp - pp_rank - 1) + plan.pp + 1)
-    return min(m, plan.pp - pp_rank)
+class _StageShape:
+    """What a torch schedule reads of its stages to lay out its actions: a stand-in, with no
+    module to run and no process group."""
+
+    def __init__(self, index: int, stages: int, rank: int, ranks: int) -> None:
+        self.stage_index, self.num_stages = index, stages
+        self.group_rank, self.group_size = rank, ranks
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        self.submod = nn.Identity()
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_actions(schedule: str, ranks: int, microbatches: int, rank: int
+                     ) -> tuple[tuple[str, int], ...]:
+    """The compute actions pipeline rank `rank` runs in one step, in order, as (kind, stage):
+    F forward, B full backward, I input-gradient and W weight-gradient half of a split one. Read
+    from the torch schedule's own action order (`pipeline_order`, laid out for stand-in stages),
+    an overlapped forward-backward pair as its two parts; 2bw's own driver runs 1F1B's."""
+    spec = SCHEDULES[schedule]
+    cls = schedule_class(schedule if spec.torch_class else "1f1b")
+    total = ranks * spec.per_rank
+    shapes = [_StageShape(s, total, rank, ranks) for s in stage_ids(schedule, rank, ranks)]
+    order = cls(shapes if spec.per_rank > 1 else shapes[0], n_microbatches=microbatches
+                ).pipeline_order[rank]
+    found = []
+    for action in (a for a in order if a is not None):
+        for part in action.sub_actions or (action,):
+            if part.computation_type.value in ("F", "B", "I", "W"):
+                found.append((part.computation_type.value, part.stage_index))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """What one micro-batch of a stage holds: from its forward to the backward that frees it
+    (`kept`), while its full backward runs (`extra`), and from a split backward's input half
+    to its weight half (`deferred`)."""
+
+    kept: float
+    extra: float
+    deferred: float
+
+
+def peak_in_flight(actions: tuple[tuple[str, int], ...], stages: dict[int, StageBytes]) -> float:
+    """The most activation bytes held at once over `actions`: a forward keeps its stage's
+    bytes of one micro-batch until the backward that frees them (a full backward, or the
+    weight-gradient half of a split one, which still needs them and what the input half left
+    for it)."""
+    live = peak = 0.0
+    for kind, stage in actions:
+        held = stages[stage]
+        if kind == "F":
+            live += held.kept
+        if kind == "B":
+            peak = max(peak, live + held.extra)
+            live -= held.kept
+        if kind == "I":
+            live += held.deferred
+        if kind == "W":
+            live -= held.kept + held.deferred
+        peak = max(peak, live)
+    return peak
+
+
+def boundary(acts: Activations, stage: int, stages_total: int) -> float:
+    """Bytes per sample a pipeline stage takes in: its first block's input."""
+    first = stage_blocks(len(acts.blocks), stage, stages_total).start
+    return acts.block_inputs[min(first, len(acts.blocks) - 1)]
+
+
+def block_share(acts: Activations, block: int, plan: ParallelPlan) -> float:
+    """What one rank saves of a block per sample: tensor parallelism splits its regions (with
+    sequence parallelism the rest too, along the sequence)."""
+    split = acts.blocks_split[block] if acts.blocks_split else acts.blocks[block]
+    if plan.sequence_parallel:
+        split = acts.blocks[block]
+    return split / plan.tp + acts.blocks[block] - split
+
+
+def stage_activations(acts: Activations, plan: ParallelPlan, stage: int, stages_total: int
+                      ) -> StageBytes:
+    """Per sample, what a stage holds (`StageBytes`): from forward to backward its saved
+    tensors (under a pipeline its output too, which the schedule holds for the gradient it will
+    receive; under full recompute each block's input only); while a full backward runs, the
+    one block recompute rebuilds at a time; from a split backward's input half to its weight
+    half, the gradients of its weight-holding layers' outputs, and under recompute every block
+    rebuilt (the graph is kept for the weight half)."""
+    first, last = stage == 0, stage == stages_total - 1
+    mine = stage_blocks(len(acts.blocks), stage, stages_total)
+    inner = [block_share(acts, i, plan) for i in mine]
+    deferred = (sum(acts.block_outputs[i] for i in mine) + acts.outputs_before * first
+                + acts.outputs_after * last)
+    if plan.activation_checkpointing == "none":
+        kept, extra = sum(inner), 0.0
+    else:
+        kept, extra = sum(acts.block_inputs[i] for i in mine), max(inner, default=0.0)
+        deferred += sum(inner)
+    kept += acts.before * first + acts.after * last
+    if not last:
+        kept += boundary(acts, stage + 1, stages_total)
+    return StageBytes(kept, extra, deferred)
 
 
 def activation_bytes(
@@ -283,25 +429,38 @@ def activation_bytes(
 ) -> float:
     """Activation bytes `rank` holds at its peak; `element_ratio`: the compute dtype's bytes
     over fp32's (autocast saves most activations in it)."""
-    at = coordinates(plan, rank)
-    count = len(acts.blocks)
     if plan.pipeline is None:
-        stage_ids, total, samples = [0], 1, local_batch
+        ids, total, samples, actions = [0], 1, local_batch, (("F", 0), ("B", 0))
     else:
-        per_rank = stages_per_rank(plan.pipeline.schedule)
-        total = plan.pp * per_rank
-        stage_ids = [at["pp"] + k * plan.pp for k in range(per_rank)]
-        samples = local_batch // plan.pipeline.microbatches * in_flight(plan, at["pp"]) / per_rank
+        schedule, m = plan.pipeline.schedule, plan.pipeline.microbatches
+        pp_rank = coordinates(plan, rank)["pp"]
+        ids = stage_ids(schedule, pp_rank, plan.pp)
+        total, samples = plan.pp * stages_per_rank(schedule), local_batch // m
+        actions = schedule_actions(schedule, plan.pp, m, pp_rank)
+    scale = samples * element_ratio
+    held = {}
+    for stage in ids:
+        per_sample = stage_activations(acts, plan, stage, total)
+        held[stage] = StageBytes(per_sample.kept * scale, per_sample.extra * scale,
+                                 per_sample.deferred * scale)
+    return peak_in_flight(actions, held)
+
+
+def pipeline_buffers(acts: Activations, plan: ParallelPlan, rank: int, local_batch: int
+                     ) -> float:
+    """The receive buffers torch's PipelineStage allocates once, one per micro-batch: a
+    stage's input (all stages but the first) and its output's gradient (all but the last)."""
+    if plan.pipeline is None:
+        return 0.0
+    schedule, m = plan.pipeline.schedule, plan.pipeline.microbatches
+    total = plan.pp * stages_per_rank(schedule)
     per_sample = 0.0
-    for stage in stage_ids:
-        mine = stage_blocks(count, stage, total)
-        inner = [acts.blocks[i] / plan.tp for i in mine]
-        if plan.activation_checkpointing == "none":
-            per_sample += sum(inner)
-        else:
-            per_sample += sum(acts.block_inputs[i] for i in mine) + max(inner, default=0.0)
-        per_sample += acts.before * (stage == 0) + acts.after * (stage == total - 1)
-    return per_sample * samples * element_ratio
+    for stage in stage_ids(schedule, coordinates(plan, rank)["pp"], plan.pp):
+        if stage > 0:
+            per_sample += boundary(acts, stage, total)
+        if stage < total - 1:
+            per_sample += boundary(acts, stage + 1, total)
+    return per_sample * (local_batch // m) * m
 
 
 def buffer_bytes(

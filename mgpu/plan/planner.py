@@ -23,6 +23,7 @@ from mgpu.plan.memory import (
     buffer_bytes,
     held_parameters,
     optimizer_cost,
+    pipeline_buffers,
     saved_activations,
     stages,
     state_bytes,
@@ -98,9 +99,11 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
                                        zero)
     local_batch = job.data["batch_size"] // plan.dp // job.train.grad_accum
     activations = activation_bytes(acts, plan, rank, local_batch, model.element_ratio)
-    buffers = buffer_bytes(model.module, plan, rank, params, int(4 * model.element_ratio))
+    buffers = (buffer_bytes(model.module, plan, rank, params, int(4 * model.element_ratio))
+               + pipeline_buffers(acts, plan, rank, local_batch))
     offloaded = isinstance(plan.data_parallel, FSDPOptions) and plan.data_parallel.cpu_offload
-    return RankMemory(params, grads, optim, activations, buffers, offloaded)
+    return RankMemory(params, grads, optim, activations, buffers, offloaded,
+                      acts.sample * local_batch)
 
 
 def step_time(model: Model, job: Job, options: Options, candidate: Candidate, acts,
