@@ -45,6 +45,10 @@ class Schedule:
     microbatch_rule: str = ""
     #: Backward split in two (zero bubble): input gradients first, weight gradients later.
     split_backward: bool = False
+    #: Weight-gradient passes a zero-bubble schedule moves into each of its p - 1 fill-and-
+    #: drain slots, so its bubble is (p - 1)(T_F + T_B - k T_W) per stage's micro-batch times
+    #: (T_B: the input gradients): 1 for ZB-H1, 2 for ZB-V (0 when T_F = T_B = T_W).
+    weight_passes_in_bubble: int = 0
     #: PipeDream-2BW: no flush between optimizer steps, so each step's gradient is taken at
     #: the weights one optimizer step older than the stages' newest, W(t+1) = W(t) -
     #: lr·∇f(W(t-1)), two weight versions per stage (`NoFlush`, our own driver).
@@ -57,8 +61,10 @@ SCHEDULES = {
     "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", "2.4", 2, microbatch_rule="rounds"),
     "looped_bfs": Schedule("ScheduleLoopedBFS", "2.4", 2),
     "interleaved_zb": Schedule("ScheduleInterleavedZeroBubble", "2.5", 2,
-                               microbatch_rule="rounds", split_backward=True),
-    "zbv": Schedule("ScheduleZBVZeroBubble", "2.6", 2, "v", "stages", split_backward=True),
+                               microbatch_rule="rounds", split_backward=True,
+                               weight_passes_in_bubble=1),
+    "zbv": Schedule("ScheduleZBVZeroBubble", "2.6", 2, "v", "stages", split_backward=True,
+                    weight_passes_in_bubble=2),
     "dualpipev": Schedule("ScheduleDualPipeV", "2.9", 2, "v", "stages", split_backward=True),
     "2bw": Schedule("", "2.4", stale=True),
 }
@@ -271,10 +277,11 @@ class Pipeline:
         self.theory_bubble = (self.size - 1) / (per_rank * microbatches + self.size - 1)
         if self.no_flush is not None:
             self.theory_bubble = 0.0
+        self.weight_passes_in_bubble = SCHEDULES[schedule].weight_passes_in_bubble
         # Marks (perf_counter on CPU, CUDA events on the current stream on GPU), read at log
         # points: a stage's compute of each micro-batch, and each whole schedule step.
         self.clock = clock_for(device)
-        self.busy: list[tuple] = []
+        self.busy: dict[str, list[tuple]] = {"forward": [], "backward": [], "weight": []}
         self.steps: list[tuple] = []
         # The schedule's waits on its sends and receives (`watch_transfers`).
         self.waits: list[tuple] = []
@@ -349,7 +356,7 @@ class Pipeline:
                     hook(kind, start, end)
                 return result
             finally:
-                self.busy.append((start, self.clock.mark()))
+                self.busy[kind].append((start, self.clock.mark()))
 
         return run
 
@@ -498,7 +505,7 @@ class Pipeline:
         try:
             yield
         finally:
-            self.busy.append((start, self.clock.mark()))
+            self.busy["forward"].append((start, self.clock.mark()))
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits for a whole batch, passed stage to stage (any batch size, no micro-batches).
@@ -594,19 +601,22 @@ class Pipeline:
         Reads the marks since the last call: on CUDA the events are complete by now (the log
         point has waited for the device), so no micro-batch ever waited for one.
         """
-        busy_s, step_s, wait_s = (
+        forward_s, backward_s, weight_s, step_s, wait_s = (
             sum(self.clock.seconds(start, end) for start, end in marks)
-            for marks in (self.busy, self.steps, self.waits)
+            for marks in (*self.busy.values(), self.steps, self.waits)
         )
+        busy_s = forward_s + backward_s + weight_s
         transfer_s = min(self.transfer_s_per_step * len(self.steps), wait_s)
-        for marks in (self.busy, self.steps, self.waits):
+        for marks in (*self.busy.values(), self.steps, self.waits):
             marks.clear()
         idle = 1 - busy_s / step_s if step_s else 0.0
         waited = min(wait_s / step_s, idle) if step_s else 0.0
         transfer = min(transfer_s / step_s, waited) if step_s else 0.0
-        shares = torch.tensor([idle, waited, transfer], device=self.device, dtype=torch.float64)
+        shares = torch.tensor([idle, waited, transfer, forward_s, backward_s, weight_s],
+                              device=self.device, dtype=torch.float64)
         dist.all_reduce(shares)
-        idle, waited, transfer = (shares / dist.get_world_size()).tolist()
+        idle, waited, transfer = (shares[:3] / dist.get_world_size()).tolist()
+        theory = self.theory_at(*shares[3:].tolist())
         # Each pipeline rank's peak in its own slot, the highest over data-parallel replicas.
         peaks = torch.zeros(self.size, dtype=torch.int64)  # CPU: gloo serves every group
         peaks[self.rank] = local_peak_bytes(self.device)
@@ -616,9 +626,21 @@ class Pipeline:
             "pp/bubble_transfer_fraction": transfer,
             "pp/bubble_schedule_fraction": waited - transfer,
             "pp/bubble_overhead_fraction": idle - waited,
-            "pp/bubble_fraction_theory": self.theory_bubble,
+            "pp/bubble_fraction_theory": theory,
             **{f"pp/peak_bytes_rank{r}": float(peak) for r, peak in enumerate(peaks.tolist())},
         }
+
+    def theory_at(self, forward_s: float, backward_s: float, weight_s: float) -> float:
+        """The schedule's bubble share at this run's p, m and v. A zero-bubble schedule's
+        depends on its passes' times, taken as measured (all ranks' forward, input-gradient and
+        weight-gradient seconds; their ratios are what counts): (p - 1)(T_F + T_B - k T_W) over
+        v m (T_F + T_B + T_W) plus that, per stage's micro-batch times."""
+        if not self.weight_passes_in_bubble or not weight_s:
+            return self.theory_bubble
+        p, chunks = self.size, len(self.stage_ids) * self.microbatches
+        bubble = (p - 1) * max(0.0, forward_s + backward_s
+                               - self.weight_passes_in_bubble * weight_s)
+        return bubble / (chunks * (forward_s + backward_s + weight_s) + bubble)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's full weights gathered over the pipeline, at the model's own sizes; keys

@@ -19,7 +19,7 @@ from mgpu.model.gpt import GPT as GPTModel
 from mgpu.monitor.timing import clock_for
 from mgpu.options import build
 from mgpu.parallel import recompute_activations
-from mgpu.pipeline import SCHEDULES, schedule_class, stage_ids, stages_per_rank
+from mgpu.pipeline import SCHEDULES, Pipeline, schedule_class, stage_ids, stages_per_rank
 from tests.conftest import assert_refused, launch_ranks, make_job, train_on_this_rank
 from tests.test_ddp import SGD, assert_weights_close
 
@@ -412,3 +412,23 @@ def test_mlp_and_cnn_refuse_what_their_plans_cannot_split(overrides, message, tm
 @pytest.mark.parametrize("strategy", ["strategy=tp", "strategy=pp"])
 def test_mlp_takes_tensor_and_pipeline_parallelism(strategy, tmp_path):
     make_job([strategy, "model=mlp"], tmp_path)
+
+
+def test_zero_bubble_theory_takes_the_measured_pass_times():
+    """ZB-V's bubble vanishes when forward, input-gradient and weight-gradient passes take
+    equal times, ZB-H1's is interleaved 1F1B's less one weight pass per slot, and with no
+    weight pass measured both are the interleaved formula (p - 1)/(v m + p - 1)."""
+    def pipe(schedule: str, ranks: int, microbatches: int) -> types.SimpleNamespace:
+        per_rank = stages_per_rank(schedule)
+        return types.SimpleNamespace(
+            size=ranks, microbatches=microbatches, stage_ids=list(range(per_rank)),
+            weight_passes_in_bubble=SCHEDULES[schedule].weight_passes_in_bubble,
+            theory_bubble=(ranks - 1) / (per_rank * microbatches + ranks - 1))
+
+    theory = Pipeline.theory_at
+    assert theory(pipe("zbv", 4, 8), 1.0, 1.0, 1.0) == 0
+    # ZB-H1 at p = 4, v m = 16: bubble 3 (T_F + T_B - T_W) = 3 against 16 x 3 of compute.
+    assert theory(pipe("interleaved_zb", 4, 8), 1.0, 1.0, 1.0) == pytest.approx(3 / (48 + 3))
+    for schedule in ("zbv", "interleaved_zb"):
+        assert theory(pipe(schedule, 4, 8), 2.0, 3.0, 0.0) == pytest.approx(3 / (16 + 3))
+    assert theory(pipe("1f1b", 4, 8), 1.0, 1.0, 1.0) == pytest.approx(3 / (8 + 3))
