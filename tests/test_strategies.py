@@ -11,7 +11,11 @@ import torch
 from torch.distributed import pipelining
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    _PipelineSchedule,
+)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from mgpu.errors import ConfigError
@@ -199,10 +203,12 @@ def marked(kind: str, method):
 
 
 def train_marking_stages(job) -> dict:
-    """Per rank: the job trained with every stage's forward and backward of a micro-batch, and
-    every schedule step, marked by torch's own classes here, beside the run's summary."""
+    """Per rank: the job trained with every stage's forward and backward of a micro-batch, the
+    last stage's loss of each, and every schedule step, marked by torch's own classes here,
+    beside the run's summary."""
     for cls, name, kind in [(_PipelineStageBase, "forward_one_chunk", "busy"),
                             (_PipelineStageBase, "backward_one_chunk", "busy"),
+                            (_PipelineSchedule, "_compute_loss", "busy"),
                             (PipelineScheduleSingle, "step", "steps"),
                             (PipelineScheduleMulti, "step", "steps")]:
         setattr(cls, name, marked(kind, getattr(cls, name)))
