@@ -200,8 +200,8 @@ PEAK_LAYOUTS = {
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",
         "strategy=tp", f"{PP}1f1b strategy.microbatches=8",
         "strategy=hybrid strategy.dp=2 strategy.tp=2 strategy.pp=1",
-        "strategy=hybrid strategy.dp=2 strategy.tp=1 strategy.pp=2 strategy.schedule=gpipe "
-        "strategy.microbatches=4",
+        *(f"strategy=hybrid strategy.dp=2 strategy.tp=1 strategy.pp=2 strategy.schedule={schedule} "
+          "strategy.microbatches=4" for schedule in ("gpipe", "interleaved_1f1b")),
         "strategy=hybrid strategy.dp=1 strategy.tp=2 strategy.pp=2 strategy.schedule=1f1b "
         "strategy.microbatches=4",
     ]),

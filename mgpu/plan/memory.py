@@ -357,25 +357,32 @@ def schedule_actions(schedule: str, ranks: int, microbatches: int, rank: int
 class StageBytes:
     """What one micro-batch of a stage holds: from its forward to the backward that frees it
     (`kept`), while its full backward runs (`extra`), and from a split backward's input half
-    to its weight half (`deferred`)."""
+    to its weight half (`deferred`); and what the stage holds from its first backward to the
+    step's end (`after_backward`: FSDP's gathered parameters and unsharded gradients)."""
 
     kept: float
     extra: float
     deferred: float
+    after_backward: float = 0.0
 
 
 def peak_in_flight(actions: tuple[tuple[str, int], ...], stages: dict[int, StageBytes]) -> float:
     """The most activation bytes held at once over `actions`: a forward keeps its stage's
     bytes of one micro-batch until the backward that frees them (a full backward, or the
     weight-gradient half of a split one, which still needs them and what the input half left
-    for it)."""
+    for it); a stage's first backward adds what it holds from then on."""
     live = peak = 0.0
+    opened: set[int] = set()
     for kind, stage in actions:
         held = stages[stage]
         if kind == "F":
             live += held.kept
-        if kind == "B":
+        if kind in ("B", "I"):
             peak = max(peak, live + held.extra)
+            if stage not in opened:
+                opened.add(stage)
+                live += held.after_backward
+        if kind == "B":
             live -= held.kept
         if kind == "I":
             live += held.deferred
@@ -425,10 +432,13 @@ def stage_activations(acts: Activations, plan: ParallelPlan, stage: int, stages_
 
 
 def activation_bytes(
-    acts: Activations, plan: ParallelPlan, rank: int, local_batch: int, element_ratio: float
+    acts: Activations, plan: ParallelPlan, rank: int, local_batch: int, element_ratio: float,
+    after_backward: dict[int, float] | None = None,
 ) -> float:
     """Activation bytes `rank` holds at its peak; `element_ratio`: the compute dtype's bytes
-    over fp32's (autocast saves most activations in it)."""
+    over fp32's (autocast saves most activations in it); `after_backward`: per stage, what it
+    holds besides from its first backward on (`unsharded_after_backward`), counted at the same
+    peak."""
     if plan.pipeline is None:
         ids, total, samples, actions = [0], 1, local_batch, (("F", 0), ("B", 0))
     else:
@@ -442,8 +452,31 @@ def activation_bytes(
     for stage in ids:
         per_sample = stage_activations(acts, plan, stage, total)
         held[stage] = StageBytes(per_sample.kept * scale, per_sample.extra * scale,
-                                 per_sample.deferred * scale)
+                                 per_sample.deferred * scale,
+                                 (after_backward or {}).get(stage, 0.0))
     return peak_in_flight(actions, held)
+
+
+def unsharded_after_backward(model: nn.Module, plan: ParallelPlan, rank: int,
+                             compute_size: int) -> dict[int, float]:
+    """Per stage of a pipeline rank under FSDP: its parameters gathered (in the compute dtype)
+    and its gradients unsharded, held from the stage's first backward to the step's end. torch's
+    pipeline stages turn off FSDP's resharding after backward and its gradient reduce-scatter
+    until the last micro-batch (`backward_maybe_with_nosync`, then `perform_reduce_grad`). Over
+    one dp_shard rank nothing is sharded: the parameters and gradients are those the state
+    counts."""
+    fsdp = isinstance(plan.data_parallel, FSDPOptions)
+    if plan.pipeline is None or not fsdp or plan.dp_shard == 1:
+        return {}
+    pp_rank = coordinates(plan, rank)["pp"]
+    found = {}
+    for stage, module in zip(stage_ids(plan.pipeline.schedule, pp_rank, plan.pp),
+                             stages(model, plan, pp_rank), strict=True):
+        split = tp_split_dims(module, plan)
+        found[stage] = sum(p.numel() / (plan.tp if name in split else 1)
+                           * (compute_size + p.element_size())
+                           for name, p in module.named_parameters())
+    return found
 
 
 def pipeline_buffers(acts: Activations, plan: ParallelPlan, rank: int, local_batch: int

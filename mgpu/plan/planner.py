@@ -27,6 +27,7 @@ from mgpu.plan.memory import (
     saved_activations,
     stages,
     state_bytes,
+    unsharded_after_backward,
 )
 from mgpu.plan.speed import (
     StepTime,
@@ -98,8 +99,11 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     params, grads, optim = state_bytes(model.module, plan, rank, optimizer_cost(options.optim),
                                        zero)
     local_batch = job.data["batch_size"] // plan.dp // job.train.grad_accum
-    activations = activation_bytes(acts, plan, rank, local_batch, model.element_ratio)
-    buffers = (buffer_bytes(model.module, plan, rank, params, int(4 * model.element_ratio))
+    compute_size = int(4 * model.element_ratio)
+    activations = activation_bytes(
+        acts, plan, rank, local_batch, model.element_ratio,
+        unsharded_after_backward(model.module, plan, rank, compute_size))
+    buffers = (buffer_bytes(model.module, plan, rank, params, compute_size)
                + pipeline_buffers(acts, plan, rank, local_batch))
     offloaded = isinstance(plan.data_parallel, FSDPOptions) and plan.data_parallel.cpu_offload
     return RankMemory(params, grads, optim, activations, buffers, offloaded,
