@@ -186,10 +186,11 @@ _stepping: Pipeline | None = None
 
 
 def watch_transfers() -> None:
-    """Mark every wait torch's schedules make on their sends and receives, for the pipeline
-    stepping now: the schedules call `_wait_batch_p2p` by its module's name at each wait, so it
-    is wrapped there, once per process; what it waits on and how is left as it is."""
-    wait = torch_schedules._wait_batch_p2p
+    """Mark every wait torch's schedules make on their sends and receives, and count the bytes
+    they send, for the pipeline stepping now: the schedules call `_wait_batch_p2p` and
+    `_batch_p2p` by their module's name, so both are wrapped there, once per process; what they
+    do is left as it is."""
+    wait, issue = torch_schedules._wait_batch_p2p, torch_schedules._batch_p2p
     if getattr(wait, "marks_transfers", False):
         return
 
@@ -203,8 +204,14 @@ def watch_transfers() -> None:
         finally:
             pipe.waits.append((start, pipe.clock.mark()))
 
+    def counted(ops: list, *args: Any, **kwargs: Any) -> list:
+        if _stepping is not None:
+            _stepping.sent_bytes += sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
+        return issue(ops, *args, **kwargs)
+
     marked.marks_transfers = True
     torch_schedules._wait_batch_p2p = marked
+    torch_schedules._batch_p2p = counted
 
 
 class Stages(nn.ModuleList):
@@ -287,6 +294,8 @@ class Pipeline:
         self.waits: list[tuple] = []
         # Seconds one step's messages take to reach this rank once sent (`time_transfers`).
         self.transfer_s_per_step = 0.0
+        # Bytes this rank sent point to point in training steps since the last log point.
+        self.sent_bytes = 0
 
     def build_schedule(self, inputs: torch.Tensor) -> None:
         """The stages and their schedule, each stage given its input and output shapes and
@@ -410,10 +419,11 @@ class Pipeline:
         self.loss_scale, self.divisor = loss_scale, divisor
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.rank == 0 else ()
-        self.schedule_step(*args, target=labels, losses=losses)
-        if not self.accumulate:
-            self.divide_gradients()
-            self.add_tied_gradients()
+        with self.stepping():
+            self.schedule.step(*args, target=labels, losses=losses)
+            if not self.accumulate:
+                self.divide_gradients()
+                self.add_tied_gradients()
         self.steps.append((start, self.clock.mark()))
         last = self.holds_last
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
@@ -424,12 +434,14 @@ class Pipeline:
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
-    def schedule_step(self, *args, **kwargs) -> None:
-        """The schedule's step, its waits on sends and receives marked as this pipeline's."""
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """A training step of this pipeline: the schedule's waits on its sends and receives are
+        marked as its own, and what it sends is counted (`watch_transfers`, `send`)."""
         global _stepping
         _stepping = self
         try:
-            self.schedule.step(*args, **kwargs)
+            yield
         finally:
             _stepping = None
 
@@ -457,7 +469,7 @@ class Pipeline:
         """Measure, once, the seconds a step's messages take to reach this rank: each stage
         boundary it sits on carries m activations forward and m gradients back, of one shape;
         a ping-pong of that shape with the rank across the boundary gives one message's time.
-        A marked wait longer than that is a wait on the peer's schedule (`bubble_metrics`).
+        A marked wait longer than that is a wait on the peer's schedule (`metrics`).
 
         Every pipeline rank calls it; boundaries are taken in stage order, so each rank's
         partner in its next one is free by then (no cycle of waits)."""
@@ -572,10 +584,12 @@ class Pipeline:
         exactly what arrives."""
         dtype_index = ACTIVATION_DTYPES.index(tensor.dtype)
         header = torch.tensor([dtype_index, tensor.dim()], dtype=torch.long, device=self.device)
-        dist.send(header, group=self.group, group_dst=to)
         shape = torch.tensor(tensor.shape, dtype=torch.long, device=self.device)
-        dist.send(shape, group=self.group, group_dst=to)
-        dist.send(tensor.contiguous(), group=self.group, group_dst=to)
+        tensor = tensor.contiguous()
+        for part in (header, shape, tensor):
+            dist.send(part, group=self.group, group_dst=to)
+        if _stepping is self:
+            self.sent_bytes += header.nbytes + shape.nbytes + tensor.nbytes
 
     def receive(self, source: int) -> torch.Tensor:
         """The tensor `send` sent from pipeline rank `source`, in its own dtype and shape."""
@@ -590,13 +604,18 @@ class Pipeline:
         dist.recv(tensor, group=self.group, group_src=source)
         return tensor
 
-    def bubble_metrics(self) -> dict[str, float]:
-        """Share of step time this rank's stages were not computing, mean over all ranks, and
-        its three parts: transfer (the time this rank's messages take once sent, measured by
-        `time_transfers`, at most the time it waited on sends and receives), schedule (the rest
-        of those waits: a peer still computing what this rank needs, the bubble a schedule's
-        theory predicts) and overhead (idle time outside any wait: the schedule's own work
-        between computes).
+    def metrics(self) -> dict[str, float]:
+        """The pipeline's figures since the last log point: each pipeline rank's peak memory,
+        the most bytes a rank sent point to point per training step (`comm/bytes_per_step`:
+        activations, their gradients and the tied weights' gradients, each send's bytes as they
+        go on the wire), and the bubble.
+
+        The bubble is the share of step time this rank's stages were not computing, mean over
+        all ranks, in three parts: transfer (the time this rank's messages take once sent,
+        measured by `time_transfers`, at most the time it waited on sends and receives),
+        schedule (the rest of those waits: a peer still computing what this rank needs, the
+        bubble a schedule's theory predicts) and overhead (idle time outside any wait: the
+        schedule's own work between computes).
 
         Reads the marks since the last call: on CUDA the events are complete by now (the log
         point has waited for the device), so no micro-batch ever waited for one.
@@ -606,7 +625,10 @@ class Pipeline:
             for marks in (*self.busy.values(), self.steps, self.waits)
         )
         busy_s = forward_s + backward_s + weight_s
-        transfer_s = min(self.transfer_s_per_step * len(self.steps), wait_s)
+        steps = len(self.steps)
+        transfer_s = min(self.transfer_s_per_step * steps, wait_s)
+        sent = self.sent_bytes / steps if steps else 0.0
+        self.sent_bytes = 0
         for marks in (*self.busy.values(), self.steps, self.waits):
             marks.clear()
         idle = 1 - busy_s / step_s if step_s else 0.0
@@ -618,16 +640,20 @@ class Pipeline:
         idle, waited, transfer = (shares[:3] / dist.get_world_size()).tolist()
         theory = self.theory_at(*shares[3:].tolist())
         # Each pipeline rank's peak in its own slot, the highest over data-parallel replicas.
-        peaks = torch.zeros(self.size, dtype=torch.int64)  # CPU: gloo serves every group
+        # Then the most bytes a rank sent per step (exact in float64 up to 2**53).
+        peaks = torch.zeros(self.size + 1, dtype=torch.float64)  # CPU: gloo serves every group
         peaks[self.rank] = local_peak_bytes(self.device)
+        peaks[-1] = sent
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        *peaks, sent = peaks.tolist()
         return {
             "pp/bubble_fraction": idle,
             "pp/bubble_transfer_fraction": transfer,
             "pp/bubble_schedule_fraction": waited - transfer,
             "pp/bubble_overhead_fraction": idle - waited,
             "pp/bubble_fraction_theory": theory,
-            **{f"pp/peak_bytes_rank{r}": float(peak) for r, peak in enumerate(peaks.tolist())},
+            **{f"pp/peak_bytes_rank{r}": peak for r, peak in enumerate(peaks)},
+            **({"comm/bytes_per_step": sent} if sent else {}),
         }
 
     def theory_at(self, forward_s: float, backward_s: float, weight_s: float) -> float:

@@ -310,16 +310,21 @@ class Trainer:
         mean step time of those steps on this rank, stalls left out."""
         started = time.perf_counter()
         step_s = meter.window_step_s()
+        strategy = self.strategy.metrics(self.model, self.optimizer)
+        compression = self.compression.metrics()
         metrics = {
             "train/loss": meter.window_loss(),
             "train/lr": self.scheduler.get_last_lr()[0],
             "memory/peak_bytes": float(peak_memory_bytes(self.runtime.device)),
-            **self.strategy.metrics(self.model, self.optimizer),
+            **strategy,
             **meter.throughput(),
             **self.precision.metrics(),
             **self.balance.metrics(),
-            **self.compression.metrics(),  # the bytes on the wire, which the monitor times
+            **compression,  # the gradients' bytes on the wire, which the monitor times
         }
+        wire = "comm/bytes_per_step"
+        if wire in strategy and wire in compression:  # a pipeline's sends beside FSDP2's
+            metrics[wire] = strategy[wire] + compression[wire]
         metrics.update(self.monitor.log_point(step, metrics, step_s))
         metrics["time/log_point_s"] = time.perf_counter() - started
         log.info(

@@ -229,6 +229,7 @@ class NoFlush:
                 own = version[0].get_parameter(name).grad
                 theirs = torch.empty_like(own)
                 done.works.append(dist.isend(own, group=self.group, group_dst=peer, tag=TIED_TAG))
+                pipe.sent_bytes += own.nbytes
                 done.works.append(self.receive(theirs, peer, TIED_TAG))
                 done.tied[name] = theirs
         self.finished.append(done)
@@ -263,6 +264,7 @@ class NoFlush:
         tensor = tensor.contiguous()
         work = dist.isend(tensor, group=self.group, group_dst=to, tag=tag)
         self.sends.append((work, tensor))
+        self.pipe.sent_bytes += tensor.nbytes
 
     def receive(self, into: torch.Tensor, source: int, tag: int):
         """Start receiving into `into` from pipeline rank `source`."""

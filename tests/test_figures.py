@@ -29,7 +29,14 @@ from mgpu.model.mlp import MLP
 from mgpu.monitor.timing import PhaseTimer
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
-from tests.conftest import ROOT, launch_job, make_job, mlflow_runs, train_on_this_rank
+from tests.conftest import (
+    ROOT,
+    launch_job,
+    launch_ranks,
+    make_job,
+    mlflow_runs,
+    train_on_this_rank,
+)
 from tests.oracle import initial_model
 
 EVAL_SLEEP_S = 3.0
@@ -108,7 +115,8 @@ def test_train_loss_is_the_global_batch_mean_under_an_uneven_split(tmp_path):
 
 
 # Bytes per element of the dtypes the profiler names for a collective's input.
-PROFILED_DTYPE_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "unsigned char": 1}
+PROFILED_DTYPE_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "unsigned char": 1,
+                        "long int": 8}
 
 
 # Collectives launched from a future's callback (PowerSGD's P and Q) run on gloo's threads.
@@ -384,3 +392,43 @@ def test_fsdp_bytes_per_step_are_its_all_gathers_and_reduce_scatters(
     params = sum(p.numel() for p in initial_model(make_job(overrides, tmp_path)).parameters())
     expected = (2 - 1) / 2 * params * (4 + reduce_bytes)
     assert summary["comm/bytes_per_step"] == expected
+
+
+def measure_sends(job: Job, warm: int, measured: int) -> dict:
+    """Per rank: `warm` steps, then `measured` steps under torch's profiler; the pipeline's
+    figures for those steps beside the bytes this rank handed gloo's sends in them."""
+    runtime = init_runtime(job.output_dir, 120)
+    try:
+        trainer = Trainer.build(job, runtime, None)
+        try:
+            for _ in range(warm):
+                trainer.train_step()
+            trainer.strategy.pipe.metrics()  # the window starts here
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                         experimental_config=ALL_THREADS) as prof:
+                for _ in range(measured):
+                    trainer.train_step()
+            figures = trainer.strategy.pipe.metrics()
+        finally:
+            trainer.close()
+        trace = runtime.output_dir / f"trace_rank{runtime.rank}.json"
+        prof.export_chrome_trace(str(trace))
+        return {**figures, "handed": handed_to_collectives(trace)}
+    finally:
+        shutdown()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_pipeline_bytes_per_step_are_what_its_ranks_handed_gloos_sends(schedule, tmp_path):
+    """strategy=pp on 2 ranks: `comm/bytes_per_step` is the most bytes a rank handed gloo's
+    point-to-point sends per step (torch's profiler, at the process group): activations one
+    way, their gradients the other, the tied embedding's gradients both ways."""
+    job = make_job(["model=gpt", "data=text", "model.dim=32", "strategy=pp",
+                    f"strategy.schedule={schedule}", "checkpoint.every_steps=0",
+                    "eval.every_steps=0"], tmp_path)
+    measured = 3
+    results = launch_ranks(measure_sends, 2, "sends", job, 3, measured)
+    sent = [results[rank]["handed"].get("gloo:send", 0) / measured for rank in (0, 1)]
+    assert min(sent) > 0, sent
+    assert results[0]["comm/bytes_per_step"] == max(sent)

@@ -208,9 +208,9 @@ class Strategy(ABC):
 
     def metrics(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Strategy figures at a log point: bytes of parameters and optimizer state per rank,
-        and a pipeline's bubble."""
-        bubble = self.pipe.bubble_metrics() if self.pipe is not None else {}
-        return {**memory_metrics(model.parameters(), optimizer), **bubble}
+        and a pipeline's own (bubble, bytes sent between stages)."""
+        pipeline = self.pipe.metrics() if self.pipe is not None else {}
+        return {**memory_metrics(model.parameters(), optimizer), **pipeline}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU at the model's own sizes (tensor-core padding cut
