@@ -37,7 +37,7 @@ from mgpu.options import Options
 from mgpu.parallel import parallelize
 from mgpu.precision import Precision
 from mgpu.runtime import Runtime
-from mgpu.strategy import Strategy
+from mgpu.strategy import WIRE, Strategy
 from mgpu.switch import Triggers
 from mgpu.tracking import MetricLogger
 
@@ -273,25 +273,26 @@ class Trainer:
         accum = self.train_cfg.grad_accum
         timer = self.monitor.timer
         loss_sum, samples = None, 0
-        grad_scale = self.precision.grad_scale()
-        self.balance.before_step()
-        self.compression.begin_step(grad_scale)
-        for micro in range(accum):
-            with timer.phase("data"):
-                inputs, labels = next(self.batches)
-            last = micro == accum - 1
-            with nullcontext() if last else self.strategy.no_sync(self.model):
-                # Weighted by the micro-batch's share of the global batch (= accum if equal).
-                divisor = self.balance.loss_divisor(len(labels))
-                loss = self.strategy.forward_backward(
-                    self.model, inputs, labels, self.precision, divisor, timer
-                )
-            weighted = loss * len(labels)
-            loss_sum = weighted if loss_sum is None else loss_sum + weighted
-            samples += len(labels)
-        self.balance.after_backward()
-        if not self.strategy.steps_optimizer:
-            self.optimizer_step()
+        with self.strategy.counting():  # tp's collectives, on the first step
+            grad_scale = self.precision.grad_scale()
+            self.balance.before_step()
+            self.compression.begin_step(grad_scale)
+            for micro in range(accum):
+                with timer.phase("data"):
+                    inputs, labels = next(self.batches)
+                last = micro == accum - 1
+                with nullcontext() if last else self.strategy.no_sync(self.model):
+                    # Weighted by the micro-batch's share of the global batch (= accum if equal).
+                    divisor = self.balance.loss_divisor(len(labels))
+                    loss = self.strategy.forward_backward(
+                        self.model, inputs, labels, self.precision, divisor, timer
+                    )
+                weighted = loss * len(labels)
+                loss_sum = weighted if loss_sum is None else loss_sum + weighted
+                samples += len(labels)
+            self.balance.after_backward()
+            if not self.strategy.steps_optimizer:
+                self.optimizer_step()
         return loss_sum, samples
 
     def optimizer_step(self) -> None:
@@ -322,9 +323,8 @@ class Trainer:
             **self.balance.metrics(),
             **compression,  # the gradients' bytes on the wire, which the monitor times
         }
-        wire = "comm/bytes_per_step"
-        if wire in strategy and wire in compression:  # a pipeline's sends beside FSDP2's
-            metrics[wire] = strategy[wire] + compression[wire]
+        if WIRE in strategy and WIRE in compression:  # a pipeline's or tp's beside FSDP2's
+            metrics[WIRE] = strategy[WIRE] + compression[WIRE]
         metrics.update(self.monitor.log_point(step, metrics, step_s))
         metrics["time/log_point_s"] = time.perf_counter() - started
         log.info(

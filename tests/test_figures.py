@@ -432,3 +432,43 @@ def test_pipeline_bytes_per_step_are_what_its_ranks_handed_gloos_sends(schedule,
     sent = [results[rank]["handed"].get("gloo:send", 0) / measured for rank in (0, 1)]
     assert min(sent) > 0, sent
     assert results[0]["comm/bytes_per_step"] == max(sent)
+
+
+def measure_tp_wire(job: Job) -> dict:
+    """Per rank: the bytes gloo's collectives were handed in the first training step and in
+    the two after it (torch's profiler), beside the strategy's figures after them."""
+    runtime = init_runtime(job.output_dir, 120)
+    handed = []
+    try:
+        trainer = Trainer.build(job, runtime, None)
+        try:
+            for steps in (1, 2):
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                             experimental_config=ALL_THREADS) as prof:
+                    for _ in range(steps):
+                        trainer.train_step()
+                trace = runtime.output_dir / f"tp_trace{steps}_rank{runtime.rank}.json"
+                prof.export_chrome_trace(str(trace))
+                handed.append(handed_to_collectives(trace))
+            figures = trainer.strategy.metrics(trainer.model, trainer.optimizer)
+        finally:
+            trainer.close()
+        return {**figures, "handed": handed}
+    finally:
+        shutdown()
+
+
+@pytest.mark.dist
+def test_tensor_parallel_bytes_per_step_are_what_dtensor_handed_gloo(tmp_path):
+    """strategy=tp on 2 ranks: `comm/bytes_per_step`, DTensor's collectives counted on the
+    first step, is what gloo's collectives were handed in that step (torch's profiler), sent
+    by the ring algorithm, less the precision's one-element non-finite flag (4 bytes, all-reduced
+    every step by layouts without DDP); and the steps after it hand gloo as much each."""
+    job = make_job(["model=gpt", "data=text", "model.dim=32", "strategy=tp",
+                    "checkpoint.every_steps=0", "eval.every_steps=0"], tmp_path)
+    result = launch_ranks(measure_tp_wire, 2, "tp-wire", job)[0]
+    first, next_two = (wire_bytes(handed, 2) for handed in result["handed"])
+    flag = 2 * (2 - 1) / 2 * 4
+    assert first > flag
+    assert result["comm/bytes_per_step"] == pytest.approx(first - flag, rel=1e-12)
+    assert next_two == pytest.approx(2 * first, rel=1e-12)

@@ -28,6 +28,7 @@ from mgpu.loss import cross_entropy
 from mgpu.meter import memory_metrics
 from mgpu.parallel import DDPOptions, FSDPOptions, Layout, ParallelPlan, check_activation_recompute
 from mgpu.parallel.fsdp import gradient_sync_off
+from mgpu.parallel.wire import DTensorWireCount
 from mgpu.pipeline import Pipeline
 from mgpu.precision.padding import unpad_state_dict
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 #: its own parameters' entries. The nested layout keeps param groups as lists per rank, which
 #: collide across ranks that hold different parameters.
 BY_PARAMETER_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+#: The bytes a rank sends per training step, wherever they are counted.
+WIRE = "comm/bytes_per_step"
 #: Where a pipeline's state dict keys hold the index of the stage in this rank's list of
 #: stages (`0.layers.3.weight`, `state.0.layers.3.weight.momentum_buffer`): dropped in
 #: checkpoints, so that they hold the model's own names (`Pipeline.own_names`).
@@ -88,6 +91,9 @@ class Strategy(ABC):
 
     #: The layout the run trains, once `use` is given it (in each worker).
     layout: Layout | None = None
+    #: Tensor parallelism's collectives, counted on the first training step (`counting`).
+    tensor_wire: DTensorWireCount | None = None
+    tensor_wire_counted = False
 
     def __init__(self, activation_checkpointing: str = "none") -> None:
         """Every strategy takes `activation_checkpointing` (none | full | selective)."""
@@ -106,6 +112,16 @@ class Strategy(ABC):
     def use(self, layout: Layout) -> None:
         """Run the step, evaluation and export on `layout` (the model `parallelize` made)."""
         self.layout = layout
+        self.tensor_wire = DTensorWireCount() if layout.plan.tp > 1 else None
+        self.tensor_wire_counted = False
+
+    def counting(self) -> AbstractContextManager:
+        """The context of a training step: on the first, tensor parallelism's collectives are
+        counted (`mgpu.parallel.wire`; the same every step, so one step tells)."""
+        if self.tensor_wire is None or self.tensor_wire_counted:
+            return nullcontext()
+        self.tensor_wire_counted = True
+        return self.tensor_wire
 
     @property
     def pipe(self) -> Pipeline | None:
@@ -208,9 +224,13 @@ class Strategy(ABC):
 
     def metrics(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Strategy figures at a log point: bytes of parameters and optimizer state per rank,
-        and a pipeline's own (bubble, bytes sent between stages)."""
+        a pipeline's own (bubble, bytes sent between stages), and the bytes tensor
+        parallelism's collectives send per step (added to a pipeline's)."""
         pipeline = self.pipe.metrics() if self.pipe is not None else {}
-        return {**memory_metrics(model.parameters(), optimizer), **pipeline}
+        figures = {**memory_metrics(model.parameters(), optimizer), **pipeline}
+        if self.tensor_wire is not None and self.tensor_wire.wire_bytes:
+            figures[WIRE] = figures.get(WIRE, 0.0) + self.tensor_wire.wire_bytes
+        return figures
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU at the model's own sizes (tensor-core padding cut
