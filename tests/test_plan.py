@@ -17,9 +17,10 @@ from mgpu.job import Job
 from mgpu.meter import local_bytes, optimizer_state_bytes
 from mgpu.options import Options
 from mgpu.parallel import DDPOptions
-from mgpu.pipeline import stage_ids
+from mgpu.pipeline import schedule_class, stage_ids
 from mgpu.plan import candidates, plan_job
 from mgpu.plan.machine import DEFAULT_LINKS, Machine
+from mgpu.plan.memory import StandInStage, single_stage_actions
 from mgpu.runtime import init_runtime, shutdown
 from mgpu.trainer import Trainer
 from tests.conftest import assert_refused, compose_config, launch_ranks, make_job, mlflow_runs
@@ -287,3 +288,19 @@ def test_auto_with_trials_times_them_as_child_runs_and_records_its_choice(cli, t
     table = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(
         job.info.run_id, "plan/plan.txt", str(tmp_path))
     assert job.data.tags["mgpu.plan.choice"] in open(table).read()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_single_stage_orders_are_torchs(schedule):
+    """The planner's GPipe and 1F1B orders (which torch 2.6's schedules do not expose) are
+    the forwards and backwards, in order, of this torch's own `pipeline_order`."""
+    for ranks in (2, 4):
+        for microbatches in (ranks, 2 * ranks, 8):
+            for rank in range(ranks):
+                built = schedule_class(schedule)(StandInStage(rank, ranks, rank, ranks),
+                                                 n_microbatches=microbatches)
+                torchs = tuple((a.computation_type.value, a.stage_index)
+                               for a in built.pipeline_order[rank]
+                               if a is not None and a.computation_type.value in ("F", "B"))
+                assert single_stage_actions(schedule == "gpipe", ranks, microbatches,
+                                            rank) == torchs, (ranks, microbatches, rank)

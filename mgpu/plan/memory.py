@@ -321,7 +321,7 @@ def stage_blocks(count: int, stage: int, stages_total: int) -> range:
     return range(bounds[stage], bounds[stage + 1])
 
 
-class _StageShape:
+class StandInStage:
     """What a torch schedule reads of its stages to lay out its actions: a stand-in, with no
     module to run and no process group."""
 
@@ -336,21 +336,35 @@ class _StageShape:
 def schedule_actions(schedule: str, ranks: int, microbatches: int, rank: int
                      ) -> tuple[tuple[str, int], ...]:
     """The compute actions pipeline rank `rank` runs in one step, in order, as (kind, stage):
-    F forward, B full backward, I input-gradient and W weight-gradient half of a split one. Read
-    from the torch schedule's own action order (`pipeline_order`, laid out for stand-in stages),
-    an overlapped forward-backward pair as its two parts; 2bw's own driver runs 1F1B's."""
+    F forward, B full backward, I input-gradient and W weight-gradient half of a split one.
+    One stage per rank: GPipe's or 1F1B's order (2bw's driver runs 1F1B's). Several: read from
+    the torch schedule's own action order (`pipeline_order`, laid out for stand-in stages; torch
+    2.6's single-stage schedules have none), an overlapped forward-backward pair as its two
+    parts."""
     spec = SCHEDULES[schedule]
-    cls = schedule_class(schedule if spec.torch_class else "1f1b")
+    if spec.per_rank == 1:
+        return single_stage_actions(schedule == "gpipe", ranks, microbatches, rank)
     total = ranks * spec.per_rank
-    shapes = [_StageShape(s, total, rank, ranks) for s in stage_ids(schedule, rank, ranks)]
-    order = cls(shapes if spec.per_rank > 1 else shapes[0], n_microbatches=microbatches
-                ).pipeline_order[rank]
+    shapes = [StandInStage(s, total, rank, ranks) for s in stage_ids(schedule, rank, ranks)]
+    order = schedule_class(schedule)(shapes, n_microbatches=microbatches).pipeline_order[rank]
     found = []
     for action in (a for a in order if a is not None):
         for part in action.sub_actions or (action,):
             if part.computation_type.value in ("F", "B", "I", "W"):
                 found.append((part.computation_type.value, part.stage_index))
     return tuple(found)
+
+
+def single_stage_actions(gpipe: bool, ranks: int, microbatches: int, rank: int
+                         ) -> tuple[tuple[str, int], ...]:
+    """GPipe's order (every forward, then every backward) or 1F1B's on stage `rank`: as many
+    forwards as stages after it (at most m), then one forward and one backward in turn, then
+    the backwards left; torch's own order for both (checked against it in the tests)."""
+    if gpipe:
+        return (("F", rank),) * microbatches + (("B", rank),) * microbatches
+    warmup = min(microbatches, ranks - rank - 1)
+    steady = (("F", rank), ("B", rank)) * (microbatches - warmup)
+    return (("F", rank),) * warmup + steady + (("B", rank),) * warmup
 
 
 @dataclass(frozen=True)
