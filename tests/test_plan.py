@@ -187,6 +187,10 @@ def measure_peaks(job: Job, nodes: list[dict], repeats: int) -> list[int]:
 PP = "strategy=pp strategy.schedule="
 PEAK_LAYOUTS = {
     "2-mlp-adamw": (2, ["model=mlp"], "adamw", ["strategy=ddp", "strategy=zero1"]),
+    "2-cnn-sgd": (2, ["model=cnn"], "sgd", [
+        "strategy=ddp", "strategy=zero1", "strategy=ddp strategy.activation_checkpointing=full",
+        "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",
+    ]),
     "2-gpt-adamw": (2, GPT, "adamw", [
         "strategy=ddp", "strategy=zero1", "strategy=ddp strategy.activation_checkpointing=full",
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",

@@ -19,6 +19,12 @@ layers' inputs stay whole on every rank), full recompute keeps only each block's
 rebuilds one block's activations for the micro-batch in backward, and a pipeline rank holds what
 its schedule's own action order keeps in flight (each forward's micro-batch until the backward
 that frees it). Beside them: the loaded batch, and a pipeline stage's receive buffers.
+
+Where each rank runs the whole model on its local batch (no pipeline, no tensor parallelism),
+the step is also replayed on the meta model (`step_working_set`): each storage an operation
+creates, from that operation to its free, through forward, loss and backward. Its peak holds
+what a sum of saved tensors misses, an operation's working set in backward (batch norm's and
+ReLU's gradient buffers beside the saved forward, in the cnn).
 """
 
 from __future__ import annotations
@@ -26,16 +32,20 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mgpu.loss import cross_entropy
 from mgpu.parallel import DDPOptions, FSDPOptions, ParallelPlan
 from mgpu.parallel.plan import MESH_DIMS
+from mgpu.parallel.recompute import recompute_activations
 from mgpu.pipeline import SCHEDULES, schedule_class, stage_ids, stages_per_rank
 
 
@@ -528,3 +538,65 @@ def buffer_bytes(
          for block in module.blocks()), default=0,
     )
     return 2.0 * largest / plan.tp * compute_size
+
+
+class _Allocations(TorchDispatchMode):
+    """The storages the ops run under it create, in order: (key, +bytes) when an op's output
+    has a storage not seen before, (key, -bytes) when that storage is freed (its Python object
+    is kept alive by torch as long as the storage itself). Storages that existed before (the
+    parameters, the batch) and views of them are not counted."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []
+        self.known = {t.untyped_storage()._cdata for t in existing}
+        self.live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.add(tensor.untyped_storage())
+        return out
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        address = storage._cdata
+        if address in self.known or address in self.live:
+            return
+        key, size = len(self.events), storage.nbytes()
+        self.live[address] = key
+        self.events.append((key, size))
+        weakref.finalize(storage, self.free, address, key, size)
+
+    def free(self, address: int, key: int, size: int) -> None:
+        self.live.pop(address, None)
+        self.events.append((key, -size))
+
+    def peak(self) -> int:
+        live = peak = 0
+        for _, size in self.events:
+            live += size
+            peak = max(peak, live)
+        return peak
+
+
+def step_working_set(model: nn.Module, input_shape: tuple, batch: int, recompute: str) -> float:
+    """The most bytes one forward, loss and backward of the unsplit meta `model` at `batch`
+    samples holds at once beyond its parameters and the batch: saved activations, the
+    operations' temporaries and the gradient buffers backward holds at once (batch norm's and
+    a ReLU's backward each make activation-sized ones beside the saved forward), and the
+    parameters' gradients as they are made; each tensor from the op that creates its storage
+    to its free, under `recompute` as the strategy applies it. A replay of the step, where a
+    sum of saved tensors per block misses the per-operation working set."""
+    module = copy.deepcopy(model)
+    if recompute != "none":
+        recompute_activations(module, recompute)
+    dtype = torch.long if len(input_shape) == 1 else torch.float32
+    inputs = torch.zeros(batch, *input_shape, dtype=dtype, device="meta")
+    existing = [inputs, *module.parameters(), *module.buffers()]
+    with _Allocations(existing) as allocations:
+        logits = module(inputs)
+        labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
+        allocations.known.add(labels.untyped_storage()._cdata)
+        cross_entropy(logits, labels).backward()
+    return float(allocations.peak())

@@ -27,6 +27,7 @@ from mgpu.plan.memory import (
     saved_activations,
     stages,
     state_bytes,
+    step_working_set,
     unsharded_after_backward,
 )
 from mgpu.plan.speed import (
@@ -93,7 +94,9 @@ def meta_model(job: Job, options: Options) -> Model:
 
 
 def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, rank: int,
-                acts) -> RankMemory:
+                acts, working: dict[tuple[str, int], float]) -> RankMemory:
+    """`working`: the replayed step's working set (`step_working_set`) by recompute mode and
+    local batch, filled as layouts ask for it."""
     plan, strategy = candidate.plan, candidate.strategy
     zero = strategy.shards_optimizer and isinstance(plan.data_parallel, DDPOptions)
     params, grads, optim = state_bytes(model.module, plan, rank, optimizer_cost(options.optim),
@@ -103,11 +106,31 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     activations = activation_bytes(
         acts, plan, rank, local_batch, model.element_ratio,
         unsharded_after_backward(model.module, plan, rank, compute_size))
+    if plan.pipeline is None and plan.tp == 1:
+        activations = max(activations, replayed_activations(
+            model, plan.activation_checkpointing, local_batch, working))
     buffers = (buffer_bytes(model.module, plan, rank, params, compute_size)
                + pipeline_buffers(acts, plan, rank, local_batch))
     offloaded = isinstance(plan.data_parallel, FSDPOptions) and plan.data_parallel.cpu_offload
     return RankMemory(params, grads, optim, activations, buffers, offloaded,
                       acts.sample * local_batch)
+
+
+def replayed_activations(model: Model, recompute: str, local_batch: int,
+                         working: dict[tuple[str, int], float]) -> float:
+    """What one rank's step holds beyond its state where each rank runs the whole model on its
+    local batch: the replayed step's working set less the whole model's gradients, which the
+    state counts (as each rank holds them). The planner takes the larger of this and the saved
+    forward beside all gradients (`activation_bytes`): with the gpt the replay's peak falls
+    early in backward, when few gradients are made, and the real step's peak was measured
+    near the saved forward plus all gradients; with the cnn the replay's peak is in backward,
+    where batch norm's and ReLU's backward hold activation-sized buffers beside the saved
+    forward."""
+    key = (recompute, local_batch)
+    if key not in working:
+        working[key] = step_working_set(model.module, model.input_shape, local_batch, recompute)
+    grads = sum(p.numel() * p.element_size() for p in model.module.parameters())
+    return max(0.0, working[key] - grads) * model.element_ratio
 
 
 def step_time(model: Model, job: Job, options: Options, candidate: Candidate, acts,
@@ -143,9 +166,9 @@ def predict(job: Job, options: Options, layouts: list[Candidate], machine: Machi
     """The predictions for each of `layouts`, in their order."""
     model = meta_model(job, options)
     acts = saved_activations(model.module, model.input_shape, batch=2)
-    rows = []
+    rows, working = [], {}
     for candidate in layouts:
-        ranks = [rank_memory(model, job, options, candidate, r, acts)
+        ranks = [rank_memory(model, job, options, candidate, r, acts, working)
                  for r in range(job.launch.world_size)]
         fits = memory_limit is None or max(m.device for m in ranks) <= memory_limit
         rows.append(Row(candidate, ranks,
