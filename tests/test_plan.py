@@ -186,7 +186,7 @@ def measure_peaks(job: Job, nodes: list[dict], repeats: int) -> list[int]:
 #: estimate does not hold).
 PP = "strategy=pp strategy.schedule="
 PEAK_LAYOUTS = {
-    "2-mlp-adamw": (2, ["model=mlp"], "adamw", ["strategy=ddp", "strategy=zero1"]),
+    "2-mlp-adamw": (2, ["model=mlp"], "adamw", ["strategy=ddp", "strategy=zero1", "strategy=tp"]),
     "2-cnn-sgd": (2, ["model=cnn"], "sgd", [
         "strategy=ddp", "strategy=zero1", "strategy=ddp strategy.activation_checkpointing=full",
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",

@@ -600,3 +600,24 @@ def step_working_set(model: nn.Module, input_shape: tuple, batch: int, recompute
         allocations.known.add(labels.untyped_storage()._cdata)
         cross_entropy(logits, labels).backward()
     return float(allocations.peak())
+
+
+def optimizer_step_transient(optim: Any, held: list[Held]) -> float:
+    """The most bytes the optimizer's per-tensor loop holds at once beside the state while it
+    steps (AdamW: the denominator and its scaled copy, as large as the parameter), replayed on
+    a meta copy of the largest parameter `held` locally: each parameter's temporaries are freed
+    before the next one's. Sharded and tensor-parallel parameters (DTensors) take this loop;
+    the fused kernels plain ones take update in place."""
+    largest = max(held, key=lambda h: h.numel, default=None)
+    if largest is None:
+        return 0.0
+    param = nn.Parameter(torch.zeros(largest.numel, device="meta"))
+    param.grad = torch.zeros_like(param)
+    optimizer, _ = optim.build([param], 1)
+    for group in optimizer.param_groups:  # torch's loop, as it runs for DTensors
+        group["fused"], group["foreach"] = False, False
+    optimizer.step()  # the state, made at the first step
+    state = [v for v in optimizer.state[param].values() if isinstance(v, torch.Tensor)]
+    with _Allocations([param, param.grad, *state]) as allocations:
+        optimizer.step()
+    return allocations.peak() * largest.element_size / 4

@@ -23,6 +23,7 @@ from mgpu.plan.memory import (
     buffer_bytes,
     held_parameters,
     optimizer_cost,
+    optimizer_step_transient,
     pipeline_buffers,
     saved_activations,
     stages,
@@ -109,9 +110,15 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     if plan.pipeline is None and plan.tp == 1:
         activations = max(activations, replayed_activations(
             model, plan.activation_checkpointing, local_batch, working))
-    buffers = (buffer_bytes(model.module, plan, rank, params, compute_size)
-               + pipeline_buffers(acts, plan, rank, local_batch))
-    offloaded = isinstance(plan.data_parallel, FSDPOptions) and plan.data_parallel.cpu_offload
+    fsdp = isinstance(plan.data_parallel, FSDPOptions)
+    comm = buffer_bytes(model.module, plan, rank, params, compute_size)
+    buffers = comm + pipeline_buffers(acts, plan, rank, local_batch)
+    offloaded = fsdp and plan.data_parallel.cpu_offload
+    if (plan.tp > 1 or fsdp) and not offloaded:
+        # The step's peak may be in the optimizer's per-tensor loop, once backward has freed
+        # the activations and FSDP its gathered blocks (DDP's buckets stay).
+        step = optimizer_step_transient(options.optim, held_parameters(model.module, plan, rank))
+        activations = max(activations, step - (comm if fsdp else 0.0))
     return RankMemory(params, grads, optim, activations, buffers, offloaded,
                       acts.sample * local_batch)
 
