@@ -186,10 +186,14 @@ def measure_peaks(job: Job, nodes: list[dict], repeats: int) -> list[int]:
 #: estimate does not hold).
 PP = "strategy=pp strategy.schedule="
 PEAK_LAYOUTS = {
-    "2-mlp-adamw": (2, ["model=mlp"], "adamw", ["strategy=ddp", "strategy=zero1", "strategy=tp"]),
+    "2-mlp-adamw": (2, ["model=mlp"], "adamw", [
+        "strategy=ddp", "strategy=zero1", "strategy=tp",
+        *(f"{PP}{schedule} strategy.microbatches=4" for schedule in ("gpipe", "1f1b")),
+    ]),
     "2-cnn-sgd": (2, ["model=cnn"], "sgd", [
         "strategy=ddp", "strategy=zero1", "strategy=ddp strategy.activation_checkpointing=full",
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",
+        f"{PP}gpipe strategy.microbatches=4",
     ]),
     "2-gpt-adamw": (2, GPT, "adamw", [
         "strategy=ddp", "strategy=zero1", "strategy=ddp strategy.activation_checkpointing=full",
@@ -198,8 +202,8 @@ PEAK_LAYOUTS = {
         *(f"{PP}{schedule} strategy.microbatches=4" for schedule in (
             "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv",
             "dualpipev")),
-        f"{PP}gpipe strategy.microbatches=4 strategy.activation_checkpointing=full",
-        f"{PP}1f1b strategy.microbatches=4 strategy.activation_checkpointing=full",
+        *(f"{PP}{schedule} strategy.microbatches=4 strategy.activation_checkpointing=full"
+          for schedule in ("gpipe", "1f1b", "interleaved_zb", "zbv", "dualpipev")),
     ]),
     "4-gpt-sgd": (4, GPT, "sgd", [
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",

@@ -11,20 +11,20 @@ tensor holds. The optimizer's state per parameter comes from the configured opti
 stepped once on a small parameter (AdamW: two tensors like the parameter and a scalar step;
 SGD: one momentum buffer, none at momentum 0).
 
-Activations are an estimate: the tensors autograd saves for backward in one forward of the meta
-model at the local micro-batch (a view counted once, as its base), split into the blocks' share
-and the rest; tensor parallelism divides what a block saves between a column-wise layer's output
-and a row-wise layer's output by its degree (the norms, the residual stream and the column-wise
-layers' inputs stay whole on every rank), full recompute keeps only each block's input and
-rebuilds one block's activations for the micro-batch in backward, and a pipeline rank holds what
-its schedule's own action order keeps in flight (each forward's micro-batch until the backward
-that frees it). Beside them: the loaded batch, and a pipeline stage's receive buffers.
-
-Where each rank runs the whole model on its local batch (no pipeline, no tensor parallelism),
-the step is also replayed on the meta model (`step_working_set`): each storage an operation
-creates, from that operation to its free, through forward, loss and backward. Its peak holds
-what a sum of saved tensors misses, an operation's working set in backward (batch norm's and
-ReLU's gradient buffers beside the saved forward, in the cnn).
+Activations are an estimate. Under a pipeline, each stage's actions (forward, full backward,
+and a split backward's input and weight halves) are replayed on the meta model at the
+micro-batch (`mgpu.plan.replay.stage_passes`), and a rank holds what its schedule's own action
+order keeps in flight: each action's peak beside what the earlier ones left held. Where a
+replay of whole stages does not fit (tensor parallelism beside the pipeline), and without a
+pipeline, the estimate counts the tensors autograd saves in one forward of the meta model at the
+local micro-batch (a view counted once, as its base), split into the blocks' share and the rest;
+tensor parallelism divides what a block saves between a column-wise layer's output and a
+row-wise layer's output by its degree (the norms, the residual stream and the column-wise
+layers' inputs stay whole on every rank), and full recompute keeps only each block's input and
+rebuilds one block's activations for the micro-batch in backward. Beside them: the loaded
+batch, and a pipeline stage's receive buffers. Where each rank runs the whole model on its
+local batch, the planner also takes the replay of the whole step (`replay.step_working_set`)
+where it is larger.
 """
 
 from __future__ import annotations
@@ -32,21 +32,18 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from mgpu.loss import cross_entropy
 from mgpu.parallel import DDPOptions, FSDPOptions, ParallelPlan
 from mgpu.parallel.plan import MESH_DIMS
-from mgpu.parallel.recompute import recompute_activations
 from mgpu.pipeline import SCHEDULES, schedule_class, stage_ids, stages_per_rank
+from mgpu.plan.replay import Pass
 
 
 @dataclass(frozen=True)
@@ -381,37 +378,43 @@ def single_stage_actions(gpipe: bool, ranks: int, microbatches: int, rank: int
 class StageBytes:
     """What one micro-batch of a stage holds: from its forward to the backward that frees it
     (`kept`), while its full backward runs (`extra`), and from a split backward's input half
-    to its weight half (`deferred`); and what the stage holds from its first backward to the
-    step's end (`after_backward`: FSDP's gathered parameters and unsharded gradients)."""
+    to its weight half (`deferred`)."""
 
     kept: float
     extra: float
     deferred: float
-    after_backward: float = 0.0
 
 
-def peak_in_flight(actions: tuple[tuple[str, int], ...], stages: dict[int, StageBytes]) -> float:
-    """The most activation bytes held at once over `actions`: a forward keeps its stage's
-    bytes of one micro-batch until the backward that frees them (a full backward, or the
-    weight-gradient half of a split one, which still needs them and what the input half left
-    for it); a stage's first backward adds what it holds from then on."""
+def analytic_passes(held: StageBytes) -> dict[str, Pass]:
+    """`held` as each action's `Pass`: a forward keeps its stage's bytes of one micro-batch
+    until the backward that frees them (a full backward, or the weight-gradient half of a
+    split one, which still needs them and what the input half left for it); a backward holds
+    `extra` beside them while it runs."""
+    return {
+        "F": Pass(held.kept, held.kept),
+        "B": Pass(held.extra, -held.kept),
+        "I": Pass(held.extra, held.deferred),
+        "W": Pass(0.0, -(held.kept + held.deferred)),
+    }
+
+
+def peak_in_flight(actions: tuple[tuple[str, int], ...], passes: dict[int, dict[str, Pass]],
+                   after_backward: dict[int, float]) -> float:
+    """The most activation bytes held at once over `actions`, each action holding its stage's
+    `Pass` beside what is live (from the stage's second such action on, its `again` peak); a
+    stage's first backward adds what it holds from then on (`after_backward`)."""
     live = peak = 0.0
     opened: set[int] = set()
+    done: set[tuple[str, int]] = set()
     for kind, stage in actions:
-        held = stages[stage]
-        if kind == "F":
-            live += held.kept
-        if kind in ("B", "I"):
-            peak = max(peak, live + held.extra)
-            if stage not in opened:
-                opened.add(stage)
-                live += held.after_backward
-        if kind == "B":
-            live -= held.kept
-        if kind == "I":
-            live += held.deferred
-        if kind == "W":
-            live -= held.kept + held.deferred
+        step = passes[stage][kind]
+        again = (kind, stage) in done and step.again is not None
+        peak = max(peak, live + (step.again if again else step.peak))
+        done.add((kind, stage))
+        live += step.change
+        if kind in ("B", "I") and stage not in opened:
+            opened.add(stage)
+            live += after_backward.get(stage, 0.0)
         peak = max(peak, live)
     return peak
 
@@ -458,11 +461,13 @@ def stage_activations(acts: Activations, plan: ParallelPlan, stage: int, stages_
 def activation_bytes(
     acts: Activations, plan: ParallelPlan, rank: int, local_batch: int, element_ratio: float,
     after_backward: dict[int, float] | None = None,
+    replayed: dict[int, dict[str, Pass]] | None = None,
 ) -> float:
     """Activation bytes `rank` holds at its peak; `element_ratio`: the compute dtype's bytes
     over fp32's (autocast saves most activations in it); `after_backward`: per stage, what it
     holds besides from its first backward on (`unsharded_after_backward`), counted at the same
-    peak."""
+    peak; `replayed`: per stage of a pipeline rank, its actions replayed on the meta model at
+    the micro-batch (`stage_passes`), which stand for the count of saved tensors."""
     if plan.pipeline is None:
         ids, total, samples, actions = [0], 1, local_batch, (("F", 0), ("B", 0))
     else:
@@ -471,14 +476,23 @@ def activation_bytes(
         ids = stage_ids(schedule, pp_rank, plan.pp)
         total, samples = plan.pp * stages_per_rank(schedule), local_batch // m
         actions = schedule_actions(schedule, plan.pp, m, pp_rank)
-    scale = samples * element_ratio
-    held = {}
+    passes = {}
     for stage in ids:
-        per_sample = stage_activations(acts, plan, stage, total)
-        held[stage] = StageBytes(per_sample.kept * scale, per_sample.extra * scale,
-                                 per_sample.deferred * scale,
-                                 (after_backward or {}).get(stage, 0.0))
-    return peak_in_flight(actions, held)
+        if replayed is not None:
+            passes[stage] = {kind: scaled(step, element_ratio)
+                             for kind, step in replayed[stage].items()}
+        else:
+            per_sample = stage_activations(acts, plan, stage, total)
+            scale = samples * element_ratio
+            passes[stage] = analytic_passes(StageBytes(
+                per_sample.kept * scale, per_sample.extra * scale, per_sample.deferred * scale))
+    return peak_in_flight(actions, passes, after_backward or {})
+
+
+def scaled(step: Pass, ratio: float) -> Pass:
+    """`step`'s bytes in a compute dtype `ratio` times fp32's size."""
+    again = None if step.again is None else step.again * ratio
+    return Pass(step.peak * ratio, step.change * ratio, again)
 
 
 def unsharded_after_backward(model: nn.Module, plan: ParallelPlan, rank: int,
@@ -538,86 +552,3 @@ def buffer_bytes(
          for block in module.blocks()), default=0,
     )
     return 2.0 * largest / plan.tp * compute_size
-
-
-class _Allocations(TorchDispatchMode):
-    """The storages the ops run under it create, in order: (key, +bytes) when an op's output
-    has a storage not seen before, (key, -bytes) when that storage is freed (its Python object
-    is kept alive by torch as long as the storage itself). Storages that existed before (the
-    parameters, the batch) and views of them are not counted."""
-
-    def __init__(self, existing: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.events: list[tuple[int, int]] = []
-        self.known = {t.untyped_storage()._cdata for t in existing}
-        self.live: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self.add(tensor.untyped_storage())
-        return out
-
-    def add(self, storage: torch.UntypedStorage) -> None:
-        address = storage._cdata
-        if address in self.known or address in self.live:
-            return
-        key, size = len(self.events), storage.nbytes()
-        self.live[address] = key
-        self.events.append((key, size))
-        weakref.finalize(storage, self.free, address, key, size)
-
-    def free(self, address: int, key: int, size: int) -> None:
-        self.live.pop(address, None)
-        self.events.append((key, -size))
-
-    def peak(self) -> int:
-        live = peak = 0
-        for _, size in self.events:
-            live += size
-            peak = max(peak, live)
-        return peak
-
-
-def step_working_set(model: nn.Module, input_shape: tuple, batch: int, recompute: str) -> float:
-    """The most bytes one forward, loss and backward of the unsplit meta `model` at `batch`
-    samples holds at once beyond its parameters and the batch: saved activations, the
-    operations' temporaries and the gradient buffers backward holds at once (batch norm's and
-    a ReLU's backward each make activation-sized ones beside the saved forward), and the
-    parameters' gradients as they are made; each tensor from the op that creates its storage
-    to its free, under `recompute` as the strategy applies it. A replay of the step, where a
-    sum of saved tensors per block misses the per-operation working set."""
-    module = copy.deepcopy(model)
-    if recompute != "none":
-        recompute_activations(module, recompute)
-    dtype = torch.long if len(input_shape) == 1 else torch.float32
-    inputs = torch.zeros(batch, *input_shape, dtype=dtype, device="meta")
-    existing = [inputs, *module.parameters(), *module.buffers()]
-    with _Allocations(existing) as allocations:
-        logits = module(inputs)
-        labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
-        allocations.known.add(labels.untyped_storage()._cdata)
-        cross_entropy(logits, labels).backward()
-    return float(allocations.peak())
-
-
-def optimizer_step_transient(optim: Any, held: list[Held]) -> float:
-    """The most bytes the optimizer's per-tensor loop holds at once beside the state while it
-    steps (AdamW: the denominator and its scaled copy, as large as the parameter), replayed on
-    a meta copy of the largest parameter `held` locally: each parameter's temporaries are freed
-    before the next one's. Sharded and tensor-parallel parameters (DTensors) take this loop;
-    the fused kernels plain ones take update in place."""
-    largest = max(held, key=lambda h: h.numel, default=None)
-    if largest is None:
-        return 0.0
-    param = nn.Parameter(torch.zeros(largest.numel, device="meta"))
-    param.grad = torch.zeros_like(param)
-    optimizer, _ = optim.build([param], 1)
-    for group in optimizer.param_groups:  # torch's loop, as it runs for DTensors
-        group["fused"], group["foreach"] = False, False
-    optimizer.step()  # the state, made at the first step
-    state = [v for v in optimizer.state[param].values() if isinstance(v, torch.Tensor)]
-    with _Allocations([param, param.grad, *state]) as allocations:
-        optimizer.step()
-    return allocations.peak() * largest.element_size / 4

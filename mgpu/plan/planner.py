@@ -8,28 +8,35 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mgpu.monitor.mfu import flops_per_sample
-from mgpu.parallel import DDPOptions, FSDPOptions
+from mgpu.parallel import DDPOptions, FSDPOptions, ParallelPlan
+from mgpu.pipeline import stage_ids, stages_per_rank
 from mgpu.plan.candidates import Candidate, candidates
 from mgpu.plan.machine import Machine
 from mgpu.plan.memory import (
     RankMemory,
     activation_bytes,
     buffer_bytes,
+    coordinates,
     held_parameters,
     optimizer_cost,
-    optimizer_step_transient,
     pipeline_buffers,
     saved_activations,
     stages,
     state_bytes,
-    step_working_set,
     unsharded_after_backward,
+)
+from mgpu.plan.replay import (
+    Pass,
+    optimizer_step_transient,
+    stage_inputs,
+    stage_passes,
+    step_working_set,
 )
 from mgpu.plan.speed import (
     StepTime,
@@ -95,9 +102,9 @@ def meta_model(job: Job, options: Options) -> Model:
 
 
 def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, rank: int,
-                acts, working: dict[tuple[str, int], float]) -> RankMemory:
-    """`working`: the replayed step's working set (`step_working_set`) by recompute mode and
-    local batch, filled as layouts ask for it."""
+                acts, replays: dict[tuple, Any]) -> RankMemory:
+    """`replays`: what the meta model's replays found (`step_working_set`, `stage_passes`), by
+    what they replayed, filled as layouts ask for it."""
     plan, strategy = candidate.plan, candidate.strategy
     zero = strategy.shards_optimizer and isinstance(plan.data_parallel, DDPOptions)
     params, grads, optim = state_bytes(model.module, plan, rank, optimizer_cost(options.optim),
@@ -106,10 +113,11 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     compute_size = int(4 * model.element_ratio)
     activations = activation_bytes(
         acts, plan, rank, local_batch, model.element_ratio,
-        unsharded_after_backward(model.module, plan, rank, compute_size))
+        unsharded_after_backward(model.module, plan, rank, compute_size),
+        replayed_stages(model, plan, rank, local_batch, replays))
     if plan.pipeline is None and plan.tp == 1:
         activations = max(activations, replayed_activations(
-            model, plan.activation_checkpointing, local_batch, working))
+            model, plan.activation_checkpointing, local_batch, replays))
     fsdp = isinstance(plan.data_parallel, FSDPOptions)
     comm = buffer_bytes(model.module, plan, rank, params, compute_size)
     buffers = comm + pipeline_buffers(acts, plan, rank, local_batch)
@@ -124,7 +132,7 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
 
 
 def replayed_activations(model: Model, recompute: str, local_batch: int,
-                         working: dict[tuple[str, int], float]) -> float:
+                         replays: dict[tuple, Any]) -> float:
     """What one rank's step holds beyond its state where each rank runs the whole model on its
     local batch: the replayed step's working set less the whole model's gradients, which the
     state counts (as each rank holds them). The planner takes the larger of this and the saved
@@ -133,11 +141,34 @@ def replayed_activations(model: Model, recompute: str, local_batch: int,
     near the saved forward plus all gradients; with the cnn the replay's peak is in backward,
     where batch norm's and ReLU's backward hold activation-sized buffers beside the saved
     forward."""
-    key = (recompute, local_batch)
-    if key not in working:
-        working[key] = step_working_set(model.module, model.input_shape, local_batch, recompute)
+    key = ("step", recompute, local_batch)
+    if key not in replays:
+        replays[key] = step_working_set(model.module, model.input_shape, local_batch, recompute)
     grads = sum(p.numel() * p.element_size() for p in model.module.parameters())
-    return max(0.0, working[key] - grads) * model.element_ratio
+    return max(0.0, replays[key] - grads) * model.element_ratio
+
+
+def replayed_stages(model: Model, plan: ParallelPlan, rank: int, local_batch: int,
+                    replays: dict[tuple, Any]) -> dict[int, dict[str, Pass]] | None:
+    """Each stage of a pipeline rank replayed at the micro-batch (`stage_passes`); None
+    without a pipeline, or with tensor parallelism beside it (the replay runs whole stages;
+    the count of saved tensors splits them)."""
+    if plan.pipeline is None or plan.tp > 1:
+        return None
+    schedule, m = plan.pipeline.schedule, plan.pipeline.microbatches
+    pp_rank = coordinates(plan, rank)["pp"]
+    total, samples = plan.pp * stages_per_rank(schedule), local_batch // m
+    if ("inputs", total, samples) not in replays:
+        replays["inputs", total, samples] = stage_inputs(model.module, model.input_shape,
+                                                        samples, total)
+    found = {}
+    for stage in stage_ids(schedule, pp_rank, plan.pp):
+        key = ("stage", stage, total, samples, plan.activation_checkpointing)
+        if key not in replays:
+            replays[key] = stage_passes(model.module, replays["inputs", total, samples][stage],
+                                        stage, total, plan.activation_checkpointing)
+        found[stage] = replays[key]
+    return found
 
 
 def step_time(model: Model, job: Job, options: Options, candidate: Candidate, acts,
@@ -173,9 +204,9 @@ def predict(job: Job, options: Options, layouts: list[Candidate], machine: Machi
     """The predictions for each of `layouts`, in their order."""
     model = meta_model(job, options)
     acts = saved_activations(model.module, model.input_shape, batch=2)
-    rows, working = [], {}
+    rows, replays = [], {}
     for candidate in layouts:
-        ranks = [rank_memory(model, job, options, candidate, r, acts, working)
+        ranks = [rank_memory(model, job, options, candidate, r, acts, replays)
                  for r in range(job.launch.world_size)]
         fits = memory_limit is None or max(m.device for m in ranks) <= memory_limit
         rows.append(Row(candidate, ranks,
