@@ -930,6 +930,55 @@ def bench_plan(rounds: int, workdir: Path) -> dict:
     }
 
 
+#: The test tier's planner jobs (tests/test_plan.py): (processes, model overrides, optimizer).
+PLAN_MEMORY_JOBS = {
+    "2-mlp-adamw": (2, ["model=mlp"], "adamw"),
+    "4-mlp-adamw": (4, ["model=mlp", "model.hidden=[64,64,64,64]"], "adamw"),
+    "2-cnn-sgd": (2, ["model=cnn"], "sgd"),
+    "2-gpt-adamw": (2, ["model=gpt", "model.dim=32", "model.mlp_ratio=2"], "adamw"),
+    "4-gpt-sgd": (4, ["model=gpt", "model.dim=32", "model.mlp_ratio=2"], "sgd"),
+}
+
+
+def bench_plan_memory(rounds: int, workdir: Path) -> dict:
+    """Every candidate layout of the test tier's planner jobs: predicted device bytes per rank
+    over the most bytes the rank allocated at once in a real step (torch.profiler's memory
+    events, the test's own measurement, the least of `rounds` fresh builds). One launch per
+    job measures all of its layouts in turn."""
+    sys.path.insert(0, str(ROOT))
+    from mgpu.plan import plan_job
+    from tests.conftest import launch_ranks
+    from tests.test_plan import MACHINE, ONE_STEP, job_and_options, measure_peaks
+
+    jobs, ratios = {}, []
+    for name, (ranks, model, optim) in PLAN_MEMORY_JOBS.items():
+        (workdir / name).mkdir(parents=True)
+        job, options = job_and_options(
+            [*model, f"optim={optim}", f"launch.nproc_per_node={ranks}", *ONE_STEP],
+            workdir / name)
+        rows = plan_job(job, options, MACHINE, None)
+        measured = launch_ranks(measure_peaks, ranks, f"plan-memory-{name}", job,
+                                [row.candidate.node for row in rows], rounds)
+        layouts = {}
+        for i, row in enumerate(rows):
+            per_rank = [row.ranks[r].device / measured[r][i] for r in range(ranks)]
+            layouts[row.candidate.name] = [round(x, 3) for x in per_rank]
+            ratios += per_rank
+        outside = {n: r for n, r in layouts.items() if min(r) < 0.85 or max(r) > 1.15}
+        jobs[name] = {"layouts": len(layouts), "outside_15_percent": outside,
+                      "predicted_over_measured": layouts}
+    return {
+        "jobs": jobs,
+        "rank_ratios": len(ratios),
+        "within_15_percent": sum(0.85 <= x <= 1.15 for x in ratios),
+        "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+        "median": round(statistics.median(ratios), 3),
+        "setup": "predicted device bytes per rank (RankMemory.device) over the step peak "
+                 "tests/test_plan.py measures (second training step, less the data set), "
+                 f"least of {rounds} builds per layout; CPU, gloo",
+    }
+
+
 SECTIONS = {
     "overhead": bench_overhead,
     "precision": bench_precision,
@@ -944,6 +993,7 @@ SECTIONS = {
     "pipeline_wide": bench_pipeline_wide,
     "scaling": bench_scaling,
     "plan": bench_plan,
+    "plan_memory": bench_plan_memory,
 }
 
 

@@ -236,6 +236,20 @@ def test_predicted_peak_bytes_per_rank_match_measured(case, tmp_path):
                 row.candidate.name, rank, predicted, measured)
 
 
+def test_offloaded_state_leaves_a_gpus_memory_and_stays_in_a_cpus(tmp_path):
+    """FSDP's cpu_offload moves parameters, gradients and optimizer state to the host: off a
+    GPU's memory, but on a CPU the host's memory is the device's and the state still counts."""
+    job, options = job_and_options(["model=mlp", "launch.nproc_per_node=2"], tmp_path)
+    gpu = dataclasses.replace(MACHINE, device_type="cuda")
+    fsdp = "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload="
+    for machine, offload_frees in ((gpu, True), (MACHINE, False)):
+        rows = {r.candidate.name: r for r in plan_job(job, options, machine, None)}
+        kept, offloaded = rows[f"{fsdp}false"].ranks[0], rows[f"{fsdp}true"].ranks[0]
+        assert offloaded.state == kept.state
+        freed = kept.device - offloaded.device
+        assert freed >= offloaded.state if offload_frees else freed <= 0, (machine, freed)
+
+
 def test_candidates_are_the_layouts_the_rules_allow(tmp_path):
     """gpt at 4 ranks: every strategy family, each with and without recompute; cnn has no
     tensor-parallel plan, so only data-parallel and pipeline layouts."""
@@ -261,14 +275,12 @@ def test_auto_resolves_to_the_fastest_predicted_layout_that_fits(tmp_path):
 
 
 def test_a_memory_limit_no_layout_fits_names_the_smallest_layouts_need(tmp_path):
-    """The smallest: FSDP with its state offloaded to the host holds only activations
-    (32 samples x 2,354 bytes saved by the MLP's linear layers and ReLUs), the two gathered
-    256x256 blocks FSDP keeps at once (2 x 263,168 bytes) and the batch (32 samples x 264
-    bytes: 64 fp32 pixels and an int64 label)."""
+    """The smallest on CPU, where offloading to the host frees nothing (the host's memory is
+    the device's): tensor parallelism, each rank holding half of every layer's weights, their
+    gradients and AdamW's state."""
     assert_refused(["strategy=auto", "strategy.memory_limit=1000"], (
         "strategy.memory_limit=1000: no layout of 2 ranks fits 1,000 bytes per rank; the "
-        "smallest, strategy=fsdp strategy.reshard_after_forward=false "
-        "strategy.cpu_offload=true, needs 610,112 bytes per rank; raise "
+        "smallest, strategy=tp, needs 979,640 bytes per rank; raise "
         "strategy.memory_limit, use more ranks or a smaller model"), tmp_path)
 
 

@@ -44,6 +44,9 @@ class Machine:
     links: dict[str, Link]
     #: Where the links came from: the cache file, or "default (...)".
     source: str
+    #: What the ranks compute on: "cpu" where the host's memory is the device's too, so
+    #: offloading to it frees nothing.
+    device_type: str = "cpu"
 
 
 def cache_dir() -> Path:
@@ -149,4 +152,4 @@ def measure(options: Any, batch: int, world_size: int, device: torch.device) -> 
     rate = gpu_rate(device, options.precision) if device.type == "cuda" else None
     if rate is None:
         rate = measure_flops_rate(options, flops, batch, world_size, device)
-    return Machine(rate, links, source)
+    return Machine(rate, links, source, device.type)

@@ -102,7 +102,7 @@ def meta_model(job: Job, options: Options) -> Model:
 
 
 def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, rank: int,
-                acts, replays: dict[tuple, Any]) -> RankMemory:
+                acts, replays: dict[tuple, Any], machine: Machine) -> RankMemory:
     """`replays`: what the meta model's replays found (`step_working_set`, `stage_passes`), by
     what they replayed, filled as layouts ask for it."""
     plan, strategy = candidate.plan, candidate.strategy
@@ -121,7 +121,8 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     fsdp = isinstance(plan.data_parallel, FSDPOptions)
     comm = buffer_bytes(model.module, plan, rank, params, compute_size)
     buffers = comm + pipeline_buffers(acts, plan, rank, local_batch)
-    offloaded = fsdp and plan.data_parallel.cpu_offload
+    # On a CPU the host's memory is the device's: offloading moves nothing out of it.
+    offloaded = fsdp and plan.data_parallel.cpu_offload and machine.device_type != "cpu"
     if (plan.tp > 1 or fsdp) and not offloaded:
         # The step's peak may be in the optimizer's per-tensor loop, once backward has freed
         # the activations and FSDP its gathered blocks (DDP's buckets stay).
@@ -206,7 +207,7 @@ def predict(job: Job, options: Options, layouts: list[Candidate], machine: Machi
     acts = saved_activations(model.module, model.input_shape, batch=2)
     rows, replays = [], {}
     for candidate in layouts:
-        ranks = [rank_memory(model, job, options, candidate, r, acts, replays)
+        ranks = [rank_memory(model, job, options, candidate, r, acts, replays, machine)
                  for r in range(job.launch.world_size)]
         fits = memory_limit is None or max(m.device for m in ranks) <= memory_limit
         rows.append(Row(candidate, ranks,
