@@ -147,6 +147,17 @@ def wire_bytes(handed: dict[str, int], world_size: int) -> float:
     return sum(ring[name] * nbytes for name, nbytes in handed.items())
 
 
+def handed_in_steps(trainer: Trainer, steps: int, trace: Path) -> dict[str, int]:
+    """Bytes this rank handed gloo's collectives in the trainer's next `steps` training steps
+    (`handed_to_collectives`, from torch's profiler; its trace written to `trace`)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 experimental_config=ALL_THREADS) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+    prof.export_chrome_trace(str(trace))
+    return handed_to_collectives(trace)
+
+
 def measure_wire(jobs: dict[str, Job], warm: int, measured: int) -> dict[str, dict]:
     """Per rank, per job: `warm` steps, then `measured` steps under torch's profiler; the
     compression's figures for those steps beside the bytes gloo was handed in them."""
@@ -159,16 +170,12 @@ def measure_wire(jobs: dict[str, Job], warm: int, measured: int) -> dict[str, di
                 for _ in range(warm):
                     trainer.train_step()
                 trainer.compression.metrics()  # the window starts here
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-                             experimental_config=ALL_THREADS) as prof:
-                    for _ in range(measured):
-                        trainer.train_step()
+                handed = handed_in_steps(
+                    trainer, measured, runtime.output_dir / f"{name}_trace_rank{runtime.rank}.json")
                 figures = trainer.compression.metrics()
             finally:
                 trainer.close()
-            trace = runtime.output_dir / f"{name}_trace_rank{runtime.rank}.json"
-            prof.export_chrome_trace(str(trace))
-            results[name] = {**figures, "handed": handed_to_collectives(trace)}
+            results[name] = {**figures, "handed": handed}
         return results
     finally:
         shutdown()
@@ -404,16 +411,12 @@ def measure_sends(job: Job, warm: int, measured: int) -> dict:
             for _ in range(warm):
                 trainer.train_step()
             trainer.strategy.pipe.metrics()  # the window starts here
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-                         experimental_config=ALL_THREADS) as prof:
-                for _ in range(measured):
-                    trainer.train_step()
+            handed = handed_in_steps(
+                trainer, measured, runtime.output_dir / f"trace_rank{runtime.rank}.json")
             figures = trainer.strategy.pipe.metrics()
         finally:
             trainer.close()
-        trace = runtime.output_dir / f"trace_rank{runtime.rank}.json"
-        prof.export_chrome_trace(str(trace))
-        return {**figures, "handed": handed_to_collectives(trace)}
+        return {**figures, "handed": handed}
     finally:
         shutdown()
 
@@ -443,13 +446,9 @@ def measure_tp_wire(job: Job) -> dict:
         trainer = Trainer.build(job, runtime, None)
         try:
             for steps in (1, 2):
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-                             experimental_config=ALL_THREADS) as prof:
-                    for _ in range(steps):
-                        trainer.train_step()
-                trace = runtime.output_dir / f"tp_trace{steps}_rank{runtime.rank}.json"
-                prof.export_chrome_trace(str(trace))
-                handed.append(handed_to_collectives(trace))
+                handed.append(handed_in_steps(
+                    trainer, steps,
+                    runtime.output_dir / f"tp_trace{steps}_rank{runtime.rank}.json"))
             figures = trainer.strategy.metrics(trainer.model, trainer.optimizer)
         finally:
             trainer.close()

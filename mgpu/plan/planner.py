@@ -27,6 +27,7 @@ from mgpu.plan.memory import (
     optimizer_cost,
     pipeline_buffers,
     saved_activations,
+    schedule_actions,
     stages,
     state_bytes,
     unsharded_after_backward,
@@ -162,12 +163,14 @@ def replayed_stages(model: Model, plan: ParallelPlan, rank: int, local_batch: in
     if ("inputs", total, samples) not in replays:
         replays["inputs", total, samples] = stage_inputs(model.module, model.input_shape,
                                                         samples, total)
+    actions = schedule_actions(schedule, plan.pp, m, pp_rank)
     found = {}
     for stage in stage_ids(schedule, pp_rank, plan.pp):
-        key = ("stage", stage, total, samples, plan.activation_checkpointing)
+        kinds = frozenset(kind for kind, at in actions if at == stage)
+        key = ("stage", stage, total, samples, plan.activation_checkpointing, kinds)
         if key not in replays:
             replays[key] = stage_passes(model.module, replays["inputs", total, samples][stage],
-                                        stage, total, plan.activation_checkpointing)
+                                        stage, total, plan.activation_checkpointing, kinds)
         found[stage] = replays[key]
     return found
 

@@ -141,13 +141,16 @@ def stage_inputs(model: nn.Module, input_shape: tuple, samples: int, total: int
 
 
 def stage_passes(model: nn.Module, inputs: torch.Tensor, stage: int, total: int,
-                 recompute: str) -> dict[str, Pass]:
+                 recompute: str, kinds: frozenset[str]) -> dict[str, Pass]:
     """Stage `stage` of `total` replayed as torch's PipelineStage runs it, at `inputs`'
-    samples: its forward, and its backward both whole and split (`replay_stage`)."""
+    samples: its forward, and its backward whole (where `kinds` holds B), split (where it
+    holds I or W), or both (`replay_stage`)."""
     module = copy.deepcopy(model).pipeline_stage(stage, total)
     recompute_activations(module, recompute)
-    return {**replay_stage(module, inputs, stage, total, True),
-            **replay_stage(module, inputs, stage, total, False)}
+    passes = {}
+    for split in {kind in ("I", "W") for kind in kinds - {"F"}}:
+        passes.update(replay_stage(module, inputs, stage, total, split))
+    return passes
 
 
 def replay_stage(module: nn.Module, inputs: torch.Tensor, stage: int, total: int, split: bool
