@@ -206,6 +206,7 @@ PEAK_LAYOUTS = {
           for schedule in ("gpipe", "1f1b", "interleaved_zb", "zbv", "dualpipev")),
     ]),
     "4-gpt-sgd": (4, GPT, "sgd", [
+        "strategy=ddp", "strategy=zero1 strategy.activation_checkpointing=full",
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",
         "strategy=tp", f"{PP}1f1b strategy.microbatches=8",
         "strategy=hybrid strategy.dp=2 strategy.tp=2 strategy.pp=1",

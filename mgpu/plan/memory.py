@@ -535,15 +535,16 @@ def pipeline_buffers(acts: Activations, plan: ParallelPlan, rank: int, local_bat
 
 
 def buffer_bytes(
-    model: nn.Module, plan: ParallelPlan, rank: int, param_bytes: int, compute_size: int
+    model: nn.Module, plan: ParallelPlan, rank: int, param_bytes: int, compute_size: int,
+    bucket_view: bool,
 ) -> float:
-    """Communication buffers: DDP's gradient buckets, as large as the parameters, beside the
-    gradients (even with gradient_as_bucket_view: each step's zero_grad sets gradients to None,
-    so backward allocates them anew before DDP copies them into the buckets; measured on CPU,
-    the step's peak holds both); FSDP's gathered block and the next one it prefetches, in the
+    """Communication buffers: DDP's gradient buckets, as large as the parameters, where the
+    gradients are not views of them (`bucket_view`; where they are, the state's gradients are
+    the buckets: each step's zero_grad drops the views, the buckets stay, and backward adds
+    each new gradient into them); FSDP's gathered block and the next one it prefetches, in the
     compute dtype."""
     if isinstance(plan.data_parallel, DDPOptions):
-        return float(param_bytes)
+        return 0.0 if bucket_view else float(param_bytes)
     if not isinstance(plan.data_parallel, FSDPOptions):
         return 0.0
     at = coordinates(plan, rank)

@@ -120,7 +120,8 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
         activations = max(activations, replayed_activations(
             model, plan.activation_checkpointing, local_batch, replays))
     fsdp = isinstance(plan.data_parallel, FSDPOptions)
-    comm = buffer_bytes(model.module, plan, rank, params, compute_size)
+    comm = buffer_bytes(model.module, plan, rank, params, compute_size,
+                        options.network.gradient_as_bucket_view)
     buffers = comm + pipeline_buffers(acts, plan, rank, local_batch)
     # On a CPU the host's memory is the device's: offloading moves nothing out of it.
     offloaded = fsdp and plan.data_parallel.cpu_offload and machine.device_type != "cpu"
@@ -136,18 +137,14 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
 def replayed_activations(model: Model, recompute: str, local_batch: int,
                          replays: dict[tuple, Any]) -> float:
     """What one rank's step holds beyond its state where each rank runs the whole model on its
-    local batch: the replayed step's working set less the whole model's gradients, which the
-    state counts (as each rank holds them). The planner takes the larger of this and the saved
-    forward beside all gradients (`activation_bytes`): with the gpt the replay's peak falls
-    early in backward, when few gradients are made, and the real step's peak was measured
-    near the saved forward plus all gradients; with the cnn the replay's peak is in backward,
-    where batch norm's and ReLU's backward hold activation-sized buffers beside the saved
-    forward."""
+    local batch: the replayed step's working set (`step_working_set`). The planner takes the
+    larger of this and the saved forward (`activation_bytes`): with the cnn the replay's peak
+    is in backward, where batch norm's and ReLU's backward hold activation-sized buffers beside
+    the saved forward."""
     key = ("step", recompute, local_batch)
     if key not in replays:
         replays[key] = step_working_set(model.module, model.input_shape, local_batch, recompute)
-    grads = sum(p.numel() * p.element_size() for p in model.module.parameters())
-    return max(0.0, replays[key] - grads) * model.element_ratio
+    return replays[key] * model.element_ratio
 
 
 def replayed_stages(model: Model, plan: ParallelPlan, rank: int, local_batch: int,

@@ -71,16 +71,21 @@ class Allocations(TorchDispatchMode):
 
 def step_working_set(model: nn.Module, input_shape: tuple, batch: int, recompute: str) -> float:
     """The most bytes one forward, loss and backward of the unsplit meta `model` at `batch`
-    samples holds at once beyond its parameters and the batch: saved activations, the
-    operations' temporaries and the gradient buffers backward holds at once (batch norm's and
-    a ReLU's backward each make activation-sized ones beside the saved forward), and the
-    parameters' gradients as they are made; each tensor from the op that creates its storage
-    to its free, under `recompute` as the strategy applies it. A replay of the step, where a
-    sum of saved tensors per block misses the per-operation working set."""
+    samples holds at once beyond its parameters, their gradients and the batch: saved
+    activations, the operations' temporaries and the gradient buffers backward holds at once
+    (batch norm's and a ReLU's backward each make activation-sized ones beside the saved
+    forward), each new weight gradient until it is added into its `.grad`; each tensor from the
+    op that creates its storage to its free, under `recompute` as the strategy applies it. A
+    replay of the step, where a sum of saved tensors per block misses the per-operation working
+    set. The gradients exist before backward, as DDP's buckets (whose views they are) do: a
+    weight's new gradient is added into them and freed."""
     module = copy.deepcopy(model)
     recompute_activations(module, recompute)
     inputs = meta_batch(input_shape, batch)
-    existing = [inputs, *module.parameters(), *module.buffers()]
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)
+    existing = [inputs, *module.parameters(), *module.buffers(),
+                *(p.grad for p in module.parameters())]
     with Allocations(existing) as allocations:
         logits = module(inputs)
         labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")
