@@ -208,6 +208,11 @@ PEAK_LAYOUTS = {
     "4-gpt-sgd": (4, GPT, "sgd", [
         "strategy=ddp", "strategy=zero1 strategy.activation_checkpointing=full",
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",
+        "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false "
+        "strategy.activation_checkpointing=full",
+        f"{PP}gpipe strategy.microbatches=16 strategy.activation_checkpointing=full",
+        "strategy=hybrid strategy.dp=2 strategy.tp=1 strategy.pp=2 strategy.schedule=1f1b "
+        "strategy.microbatches=2 strategy.activation_checkpointing=full",
         "strategy=tp", f"{PP}1f1b strategy.microbatches=8",
         "strategy=hybrid strategy.dp=2 strategy.tp=2 strategy.pp=1",
         *(f"strategy=hybrid strategy.dp=2 strategy.tp=1 strategy.pp=2 strategy.schedule={schedule} "

@@ -21,8 +21,9 @@ local micro-batch (a view counted once, as its base), split into the blocks' sha
 tensor parallelism divides what a block saves between a column-wise layer's output and a
 row-wise layer's output by its degree (the norms, the residual stream and the column-wise
 layers' inputs stay whole on every rank), and full recompute keeps only each block's input and
-rebuilds one block's activations for the micro-batch in backward. Beside them: the loaded
-batch, and a pipeline stage's receive buffers. Where each rank runs the whole model on its
+rebuilds one block's activations for the micro-batch in backward (and, on a CPU, keeps the
+random-number state checkpoint saves per block and forward). Beside them: the loaded batch, and
+a pipeline stage's receive buffers. Where each rank runs the whole model on its
 local batch, the planner also takes the replay of the whole step (`replay.step_working_set`)
 where it is larger.
 """
@@ -106,6 +107,9 @@ class RankMemory:
     offloaded: bool = False
     #: The batch the loader hands the step.
     batch: float = 0.0
+    #: The gradients the state counts are held at the peak (FSDP beside a pipeline makes its
+    #: sharded ones only after the last backward, when the activations are gone).
+    grads_at_peak: bool = True
 
     @property
     def state(self) -> int:
@@ -115,8 +119,8 @@ class RankMemory:
     @property
     def device(self) -> float:
         """What the device must hold at the peak: all of it, less what lives on the host."""
-        return ((0 if self.offloaded else self.state) + self.activations + self.buffers
-                + self.batch)
+        state = self.state - (0 if self.grads_at_peak else self.grads)
+        return (0 if self.offloaded else state) + self.activations + self.buffers + self.batch
 
 
 def optimizer_cost(optim: Any) -> OptimizerCost:
@@ -399,11 +403,12 @@ def analytic_passes(held: StageBytes) -> dict[str, Pass]:
 
 
 def peak_in_flight(actions: tuple[tuple[str, int], ...], passes: dict[int, dict[str, Pass]],
-                   after_backward: dict[int, float]) -> float:
+                   after_backward: dict[int, float], until_backward: float = 0.0) -> float:
     """The most activation bytes held at once over `actions`, each action holding its stage's
     `Pass` beside what is live (from the stage's second such action on, its `again` peak); a
-    stage's first backward adds what it holds from then on (`after_backward`)."""
-    live = peak = 0.0
+    stage's first backward adds what it holds from then on (`after_backward`), and the rank's
+    first backward ends what it held only until then (`until_backward`)."""
+    live = peak = until_backward
     opened: set[int] = set()
     done: set[tuple[str, int]] = set()
     for kind, stage in actions:
@@ -413,6 +418,8 @@ def peak_in_flight(actions: tuple[tuple[str, int], ...], passes: dict[int, dict[
         done.add((kind, stage))
         live += step.change
         if kind in ("B", "I") and stage not in opened:
+            if not opened:
+                live -= until_backward
             opened.add(stage)
             live += after_backward.get(stage, 0.0)
         peak = max(peak, live)
@@ -461,13 +468,16 @@ def stage_activations(acts: Activations, plan: ParallelPlan, stage: int, stages_
 def activation_bytes(
     acts: Activations, plan: ParallelPlan, rank: int, local_batch: int, element_ratio: float,
     after_backward: dict[int, float] | None = None,
-    replayed: dict[int, dict[str, Pass]] | None = None,
+    replayed: dict[int, dict[str, Pass]] | None = None, until_backward: float = 0.0,
+    rng_state: float = 0.0,
 ) -> float:
     """Activation bytes `rank` holds at its peak; `element_ratio`: the compute dtype's bytes
     over fp32's (autocast saves most activations in it); `after_backward`: per stage, what it
     holds besides from its first backward on (`unsharded_after_backward`), counted at the same
     peak; `replayed`: per stage of a pipeline rank, its actions replayed on the meta model at
-    the micro-batch (`stage_passes`), which stand for the count of saved tensors."""
+    the micro-batch (`stage_passes`), which stand for the count of saved tensors;
+    `until_backward`: what the rank holds until its first backward; `rng_state`: what each
+    checkpointed block's forward keeps to its backward beside them (`saved_rng_state`)."""
     if plan.pipeline is None:
         ids, total, samples, actions = [0], 1, local_batch, (("F", 0), ("B", 0))
     else:
@@ -486,7 +496,30 @@ def activation_bytes(
             scale = samples * element_ratio
             passes[stage] = analytic_passes(StageBytes(
                 per_sample.kept * scale, per_sample.extra * scale, per_sample.deferred * scale))
-    return peak_in_flight(actions, passes, after_backward or {})
+        blocks = len(stage_blocks(len(acts.blocks), stage, total))
+        passes[stage] = holding(passes[stage], blocks * rng_state)
+    return peak_in_flight(actions, passes, after_backward or {}, until_backward)
+
+
+def holding(passes: dict[str, Pass], kept: float) -> dict[str, Pass]:
+    """A stage's passes where each forward also keeps `kept` bytes until the backward that
+    ends its micro-batch (a full backward, or a split one's weight half)."""
+    found = dict(passes)
+    found["F"] = Pass(passes["F"].peak + kept, passes["F"].change + kept, passes["F"].again)
+    for kind in ("B", "W"):
+        if kind in passes:
+            step = passes[kind]
+            found[kind] = Pass(step.peak, step.change - kept, step.again)
+    return found
+
+
+def saved_rng_state(recompute: str, device_type: str) -> float:
+    """Bytes torch's checkpoint keeps per checkpointed block from its forward to its
+    recompute: the CPU random-number generator's state (so that dropout draws alike in both).
+    It lives in host memory, which is the device's only on a CPU."""
+    if recompute == "none" or device_type != "cpu":
+        return 0.0
+    return float(torch.get_rng_state().nbytes)
 
 
 def scaled(step: Pass, ratio: float) -> Pass:

@@ -27,6 +27,7 @@ from mgpu.plan.memory import (
     optimizer_cost,
     pipeline_buffers,
     saved_activations,
+    saved_rng_state,
     schedule_actions,
     stages,
     state_bytes,
@@ -112,17 +113,24 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
                                        zero)
     local_batch = job.data["batch_size"] // plan.dp // job.train.grad_accum
     compute_size = int(4 * model.element_ratio)
-    activations = activation_bytes(
-        acts, plan, rank, local_batch, model.element_ratio,
-        unsharded_after_backward(model.module, plan, rank, compute_size),
-        replayed_stages(model, plan, rank, local_batch, replays))
-    if plan.pipeline is None and plan.tp == 1:
-        activations = max(activations, replayed_activations(
-            model, plan.activation_checkpointing, local_batch, replays))
     fsdp = isinstance(plan.data_parallel, FSDPOptions)
     comm = buffer_bytes(model.module, plan, rank, params, compute_size,
                         options.network.gradient_as_bucket_view)
-    buffers = comm + pipeline_buffers(acts, plan, rank, local_batch)
+    # Beside a pipeline, FSDP gathers block by block only until the rank's first backward;
+    # from then on its stages stay gathered (`unsharded_after_backward`).
+    gathered_whole = fsdp and plan.pipeline is not None and plan.dp_shard > 1
+    rng_state = saved_rng_state(plan.activation_checkpointing, machine.device_type)
+    activations = activation_bytes(
+        acts, plan, rank, local_batch, model.element_ratio,
+        unsharded_after_backward(model.module, plan, rank, compute_size),
+        replayed_stages(model, plan, rank, local_batch, replays),
+        comm / 2 if gathered_whole else 0.0, rng_state)
+    if plan.pipeline is None and plan.tp == 1:
+        activations = max(activations, len(acts.blocks) * rng_state + replayed_activations(
+            model, plan.activation_checkpointing, local_batch, replays))
+    # What FSDP gathered last stays until its next gather: one block beside a pipeline.
+    buffers = (comm / 2 if gathered_whole else comm) + pipeline_buffers(acts, plan, rank,
+                                                                        local_batch)
     # On a CPU the host's memory is the device's: offloading moves nothing out of it.
     offloaded = fsdp and plan.data_parallel.cpu_offload and machine.device_type != "cpu"
     if (plan.tp > 1 or fsdp) and not offloaded:
@@ -131,7 +139,7 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
         step = optimizer_step_transient(options.optim, held_parameters(model.module, plan, rank))
         activations = max(activations, step - (comm if fsdp else 0.0))
     return RankMemory(params, grads, optim, activations, buffers, offloaded,
-                      acts.sample * local_batch)
+                      acts.sample * local_batch, grads_at_peak=not gathered_whole)
 
 
 def replayed_activations(model: Model, recompute: str, local_batch: int,
