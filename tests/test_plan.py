@@ -205,6 +205,10 @@ PEAK_LAYOUTS = {
         *(f"{PP}{schedule} strategy.microbatches=4 strategy.activation_checkpointing=full"
           for schedule in ("gpipe", "1f1b", "interleaved_zb", "zbv", "dualpipev")),
     ]),
+    "4-mlp-adamw": (4, ["model=mlp", "model.hidden=[64,64,64,64]"], "adamw", [
+        "strategy=tp", "strategy=fsdp strategy.reshard_after_forward=false "
+        "strategy.cpu_offload=false",
+    ]),
     "4-gpt-sgd": (4, GPT, "sgd", [
         "strategy=ddp", "strategy=zero1 strategy.activation_checkpointing=full",
         "strategy=fsdp strategy.reshard_after_forward=true strategy.cpu_offload=false",

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from mgpu.loss import cross_entropy
@@ -313,11 +314,17 @@ def tp_regions(model: nn.Module, where: dict[str, Any]) -> list[Any]:
     for block in model.blocks():
         for path, style in model.tp_plan(False).items():
             layer = block.get_submodule(path)
-            if isinstance(style, ColwiseParallel):
+            if isinstance(style, ColwiseParallel) and not gathered(style):
                 handles.append(layer.register_forward_hook(opens))
             elif isinstance(style, RowwiseParallel):
                 handles.append(layer.register_forward_hook(closes))
     return handles
+
+
+def gathered(style: ColwiseParallel) -> bool:
+    """A column-wise layer whose output is gathered whole (replicated) after it: what follows
+    is not split."""
+    return all(isinstance(layout, Replicate) for layout in style.output_layouts)
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:
@@ -569,20 +576,38 @@ def pipeline_buffers(acts: Activations, plan: ParallelPlan, rank: int, local_bat
 
 def buffer_bytes(
     model: nn.Module, plan: ParallelPlan, rank: int, param_bytes: int, compute_size: int,
-    bucket_view: bool,
+    bucket_view: bool, gloo: bool,
 ) -> float:
     """Communication buffers: DDP's gradient buckets, as large as the parameters, where the
     gradients are not views of them (`bucket_view`; where they are, the state's gradients are
     the buckets: each step's zero_grad drops the views, the buckets stay, and backward adds
-    each new gradient into them); FSDP's gathered block and the next one it prefetches, in the
-    compute dtype."""
+    each new gradient into them); FSDP's gathered parameters, in the compute dtype
+    (`fsdp_gathered`)."""
     if isinstance(plan.data_parallel, DDPOptions):
         return 0.0 if bucket_view else float(param_bytes)
     if not isinstance(plan.data_parallel, FSDPOptions):
         return 0.0
+    return fsdp_gathered(model, plan, rank, gloo) / plan.tp * compute_size
+
+
+def fsdp_gathered(model: nn.Module, plan: ParallelPlan, rank: int, gloo: bool) -> float:
+    """Elements FSDP holds gathered at a step's peak. Beside a pipeline: the block being
+    gathered and the next one (from the first backward on, `unsharded_after_backward`). Without
+    one: the root's parameters (those of no block: gathered at forward's start, resharded after
+    backward), and either every block (not resharded after forward) or, at most, a block and
+    its neighbour, the next one forward or backward prefetches, which gloo gathers into a
+    buffer of its own before copying it into FSDP's (`gloo`)."""
     at = coordinates(plan, rank)
-    largest = max(
-        (sum(p.numel() for p in block.parameters()) for module in stages(model, plan, at["pp"])
-         for block in module.blocks()), default=0,
-    )
-    return 2.0 * largest / plan.tp * compute_size
+    held = stages(model, plan, at["pp"])
+    sizes = [sum(p.numel() for p in block.parameters())
+             for module in held for block in module.blocks()]
+    largest = max(sizes, default=0)
+    if plan.pipeline is not None:
+        return 2.0 * largest
+    root = sum(p.numel() for module in held for p in module.parameters()) - sum(sizes)
+    if not plan.data_parallel.reshard_after_forward:
+        return float(root + sum(sizes))
+    prefetched = 2 if gloo else 1
+    pairs = [max(a + prefetched * b, b + prefetched * a)
+             for a, b in zip(sizes, sizes[1:], strict=False)]
+    return float(root + max(pairs, default=largest))

@@ -115,7 +115,7 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     compute_size = int(4 * model.element_ratio)
     fsdp = isinstance(plan.data_parallel, FSDPOptions)
     comm = buffer_bytes(model.module, plan, rank, params, compute_size,
-                        options.network.gradient_as_bucket_view)
+                        options.network.gradient_as_bucket_view, machine.device_type == "cpu")
     # Beside a pipeline, FSDP gathers block by block only until the rank's first backward;
     # from then on its stages stay gathered (`unsharded_after_backward`).
     gathered_whole = fsdp and plan.pipeline is not None and plan.dp_shard > 1
