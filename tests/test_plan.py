@@ -208,6 +208,8 @@ PEAK_LAYOUTS = {
     "4-mlp-adamw": (4, ["model=mlp", "model.hidden=[64,64,64,64]"], "adamw", [
         "strategy=tp", "strategy=fsdp strategy.reshard_after_forward=false "
         "strategy.cpu_offload=false",
+        "strategy=hybrid strategy.dp=1 strategy.tp=2 strategy.pp=2 strategy.schedule=1f1b "
+        "strategy.microbatches=2",
     ]),
     "4-gpt-sgd": (4, GPT, "sgd", [
         "strategy=ddp", "strategy=zero1 strategy.activation_checkpointing=full",

@@ -541,18 +541,19 @@ def unsharded_after_backward(model: nn.Module, plan: ParallelPlan, rank: int,
     and its gradients unsharded, held from the stage's first backward to the step's end. torch's
     pipeline stages turn off FSDP's resharding after backward and its gradient reduce-scatter
     until the last micro-batch (`backward_maybe_with_nosync`, then `perform_reduce_grad`). Over
-    one dp_shard rank nothing is sharded: the parameters and gradients are those the state
-    counts."""
+    one dp_shard rank the gradients are those the state counts, but FSDP still makes the
+    unsharded parameters a copy of their own."""
     fsdp = isinstance(plan.data_parallel, FSDPOptions)
-    if plan.pipeline is None or not fsdp or plan.dp_shard == 1:
+    if plan.pipeline is None or not fsdp:
         return {}
+    grad_size = 0 if plan.dp_shard == 1 else 1
     pp_rank = coordinates(plan, rank)["pp"]
     found = {}
     for stage, module in zip(stage_ids(plan.pipeline.schedule, pp_rank, plan.pp),
                              stages(model, plan, pp_rank), strict=True):
         split = tp_split_dims(module, plan)
         found[stage] = sum(p.numel() / (plan.tp if name in split else 1)
-                           * (compute_size + p.element_size())
+                           * (compute_size + grad_size * p.element_size())
                            for name, p in module.named_parameters())
     return found
 
