@@ -204,6 +204,7 @@ PEAK_LAYOUTS = {
             "dualpipev")),
         *(f"{PP}{schedule} strategy.microbatches=4 strategy.activation_checkpointing=full"
           for schedule in ("gpipe", "1f1b", "interleaved_zb", "zbv", "dualpipev")),
+        f"{PP}interleaved_1f1b strategy.microbatches=8 strategy.activation_checkpointing=full",
     ]),
     "4-mlp-adamw": (4, ["model=mlp", "model.hidden=[64,64,64,64]"], "adamw", [
         "strategy=tp", "strategy=fsdp strategy.reshard_after_forward=false "

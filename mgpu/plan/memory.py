@@ -413,12 +413,14 @@ def peak_in_flight(actions: tuple[tuple[str, int], ...], passes: dict[int, dict[
                    after_backward: dict[int, float], until_backward: float = 0.0) -> float:
     """The most activation bytes held at once over `actions`, each action holding its stage's
     `Pass` beside what is live (from the stage's second such action on, its `again` peak); a
-    stage's first backward adds what it holds from then on (`after_backward`), and the rank's
-    first backward ends what it held only until then (`until_backward`)."""
+    stage's first backward adds what it holds from then on until its last backward, which
+    reduces its gradients (`after_backward`), and the rank's first backward ends what it held
+    only until then (`until_backward`)."""
     live = peak = until_backward
     opened: set[int] = set()
     done: set[tuple[str, int]] = set()
-    for kind, stage in actions:
+    last = {stage: i for i, (kind, stage) in enumerate(actions) if kind in ("B", "W")}
+    for i, (kind, stage) in enumerate(actions):
         step = passes[stage][kind]
         again = (kind, stage) in done and step.again is not None
         peak = max(peak, live + (step.again if again else step.peak))
@@ -430,6 +432,8 @@ def peak_in_flight(actions: tuple[tuple[str, int], ...], passes: dict[int, dict[
             opened.add(stage)
             live += after_backward.get(stage, 0.0)
         peak = max(peak, live)
+        if last.get(stage) == i:
+            live -= after_backward.get(stage, 0.0)
     return peak
 
 
@@ -505,7 +509,31 @@ def activation_bytes(
                 per_sample.kept * scale, per_sample.extra * scale, per_sample.deferred * scale))
         blocks = len(stage_blocks(len(acts.blocks), stage, total))
         passes[stage] = holding(passes[stage], blocks * rng_state)
+        if total > plan.pp:
+            sent = sent_per_micro_batch(acts, ids, stage, total) * samples * element_ratio
+            passes[stage] = keeping_sends(passes[stage], sent)
     return peak_in_flight(actions, passes, after_backward or {}, until_backward)
+
+
+def sent_per_micro_batch(acts: Activations, held: list[int], stage: int, total: int) -> float:
+    """Bytes per sample stage `stage` sends to another rank for each micro-batch: its output
+    forward (unless the next stage is on the same rank, `held`, or it is the last) and its
+    input's gradient backward (unless the stage before is held, or it is the first)."""
+    output = boundary(acts, stage + 1, total) if stage + 1 < total and stage + 1 not in held else 0
+    grad = boundary(acts, stage, total) if stage > 0 and stage - 1 not in held else 0
+    return output + grad
+
+
+def keeping_sends(passes: dict[str, Pass], sent: float) -> dict[str, Pass]:
+    """A stage's passes under a schedule of several stages per rank: torch's runtime for those
+    waits for its sends only at the step's end, so what a micro-batch sent (its output, which
+    its backward would otherwise free, and its input's gradient) stays held until then."""
+    found = dict(passes)
+    for kind in ("B", "I"):
+        if kind in passes:
+            step = passes[kind]
+            found[kind] = Pass(step.peak, step.change + sent, step.again)
+    return found
 
 
 def holding(passes: dict[str, Pass], kept: float) -> dict[str, Pass]:
