@@ -566,7 +566,7 @@ def scaled(step: Pass, ratio: float) -> Pass:
 def unsharded_after_backward(model: nn.Module, plan: ParallelPlan, rank: int,
                              compute_size: int) -> dict[int, float]:
     """Per stage of a pipeline rank under FSDP: its parameters gathered (in the compute dtype)
-    and its gradients unsharded, held from the stage's first backward to the step's end. torch's
+    and its gradients unsharded, held from the stage's first backward to its last. torch's
     pipeline stages turn off FSDP's resharding after backward and its gradient reduce-scatter
     until the last micro-batch (`backward_maybe_with_nosync`, then `perform_reduce_grad`). Over
     one dp_shard rank the gradients are those the state counts, but FSDP still makes the
