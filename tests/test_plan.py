@@ -210,7 +210,7 @@ PEAK_LAYOUTS = {
         "strategy=tp", "strategy=fsdp strategy.reshard_after_forward=false "
         "strategy.cpu_offload=false",
         "strategy=hybrid strategy.dp=1 strategy.tp=2 strategy.pp=2 strategy.schedule=1f1b "
-        "strategy.microbatches=2",
+        "strategy.microbatches=8 strategy.activation_checkpointing=full",
     ]),
     "4-gpt-sgd": (4, GPT, "sgd", [
         "strategy=ddp", "strategy=zero1 strategy.activation_checkpointing=full",
