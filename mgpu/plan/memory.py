@@ -528,24 +528,22 @@ def keeping_sends(passes: dict[str, Pass], sent: float) -> dict[str, Pass]:
     """A stage's passes under a schedule of several stages per rank: torch's runtime for those
     waits for its sends only at the step's end, so what a micro-batch sent (its output, which
     its backward would otherwise free, and its input's gradient) stays held until then."""
-    found = dict(passes)
-    for kind in ("B", "I"):
-        if kind in passes:
-            step = passes[kind]
-            found[kind] = Pass(step.peak, step.change + sent, step.again)
-    return found
+    return {kind: shifted(step, change=sent) if kind in ("B", "I") else step
+            for kind, step in passes.items()}
 
 
 def holding(passes: dict[str, Pass], kept: float) -> dict[str, Pass]:
     """A stage's passes where each forward also keeps `kept` bytes until the backward that
     ends its micro-batch (a full backward, or a split one's weight half)."""
-    found = dict(passes)
-    found["F"] = Pass(passes["F"].peak + kept, passes["F"].change + kept, passes["F"].again)
-    for kind in ("B", "W"):
-        if kind in passes:
-            step = passes[kind]
-            found[kind] = Pass(step.peak, step.change - kept, step.again)
+    found = {kind: shifted(step, change=-kept) if kind in ("B", "W") else step
+             for kind, step in passes.items()}
+    found["F"] = shifted(passes["F"], peak=kept, change=kept)
     return found
+
+
+def shifted(step: Pass, peak: float = 0.0, change: float = 0.0) -> Pass:
+    """`step` holding `peak` bytes more at its peak and leaving `change` bytes more held."""
+    return Pass(step.peak + peak, step.change + change, step.again)
 
 
 def saved_rng_state(recompute: str, device_type: str) -> float:

@@ -117,20 +117,20 @@ def rank_memory(model: Model, job: Job, options: Options, candidate: Candidate, 
     comm = buffer_bytes(model.module, plan, rank, params, compute_size,
                         options.network.gradient_as_bucket_view, machine.device_type == "cpu")
     # Beside a pipeline, FSDP gathers block by block only until the rank's first backward;
-    # from then on its stages stay gathered (`unsharded_after_backward`).
+    # from then on its stages stay gathered (`unsharded_after_backward`), so of its two
+    # gathered blocks the prefetched one is held only until then, and the last gather's
+    # buffer until the next gather.
     gathered_whole = fsdp and plan.pipeline is not None and plan.dp_shard > 1
+    prefetched = comm / 2 if gathered_whole else 0.0
     rng_state = saved_rng_state(plan.activation_checkpointing, machine.device_type)
     activations = activation_bytes(
         acts, plan, rank, local_batch, model.element_ratio,
         unsharded_after_backward(model.module, plan, rank, compute_size),
-        replayed_stages(model, plan, rank, local_batch, replays),
-        comm / 2 if gathered_whole else 0.0, rng_state)
+        replayed_stages(model, plan, rank, local_batch, replays), prefetched, rng_state)
     if plan.pipeline is None and plan.tp == 1:
         activations = max(activations, len(acts.blocks) * rng_state + replayed_activations(
             model, plan.activation_checkpointing, local_batch, replays))
-    # What FSDP gathered last stays until its next gather: one block beside a pipeline.
-    buffers = (comm / 2 if gathered_whole else comm) + pipeline_buffers(acts, plan, rank,
-                                                                        local_batch)
+    buffers = comm - prefetched + pipeline_buffers(acts, plan, rank, local_batch)
     # On a CPU the host's memory is the device's: offloading moves nothing out of it.
     offloaded = fsdp and plan.data_parallel.cpu_offload and machine.device_type != "cpu"
     if (plan.tp > 1 or fsdp) and not offloaded:
