@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import time
 import types
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -12,8 +13,6 @@ from torch.distributed import pipelining
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
     _PipelineSchedule,
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -202,16 +201,30 @@ def marked(kind: str, method):
     return run
 
 
+def marked_steps(stepping):
+    """`Pipeline.stepping`, each use marked in `STAGE_MARKS["steps"]`: the schedule's step and
+    the exchange of the tied weights' gradients that closes it, where the last stage waits
+    for the first stage's last backward (idle time the bubble holds)."""
+
+    @contextmanager
+    def run(self):
+        start = time.perf_counter()
+        with stepping(self):
+            yield
+        STAGE_MARKS["steps"].append((start, time.perf_counter()))
+
+    return run
+
+
 def train_marking_stages(job) -> dict:
-    """Per rank: the job trained with every stage's forward and backward of a micro-batch, the
-    last stage's loss of each, and every schedule step, marked by torch's own classes here,
-    beside the run's summary."""
-    for cls, name, kind in [(_PipelineStageBase, "forward_one_chunk", "busy"),
-                            (_PipelineStageBase, "backward_one_chunk", "busy"),
-                            (_PipelineSchedule, "_compute_loss", "busy"),
-                            (PipelineScheduleSingle, "step", "steps"),
-                            (PipelineScheduleMulti, "step", "steps")]:
-        setattr(cls, name, marked(kind, getattr(cls, name)))
+    """Per rank: the job trained with every stage's forward and backward of a micro-batch and
+    the last stage's loss of each, marked by torch's own classes here, and every training
+    step's span, beside the run's summary."""
+    for cls, name in [(_PipelineStageBase, "forward_one_chunk"),
+                      (_PipelineStageBase, "backward_one_chunk"),
+                      (_PipelineSchedule, "_compute_loss")]:
+        setattr(cls, name, marked("busy", getattr(cls, name)))
+    Pipeline.stepping = marked_steps(Pipeline.stepping)
     summary, _ = train_on_this_rank(job)
     return {"summary": summary, **STAGE_MARKS}
 
@@ -233,10 +246,11 @@ def idle_share(marks: dict, first_step: int) -> float:
 def test_pipeline_bubble_is_the_idle_share_measured_from_stage_marks(layout, tmp_path,
                                                                      monkeypatch):
     """`pp/bubble_fraction` against the stages' own timeline: each rank's forward and backward
-    computations of each micro-batch and each schedule step, marked on torch's classes; the
-    share of step time no stage of the rank computed, mean over ranks. Steps 4-6, the logged
-    window. The two sets of marks sit microseconds apart around the same calls, a few per
-    micro-batch, so they agree to well within 0.02 of the step."""
+    computations of each micro-batch, marked on torch's classes, and each training step's span
+    (the schedule's step and the tied gradients' exchange after it); the share of step time no
+    stage of the rank computed, mean over ranks. Steps 4-6, the logged window. The two sets of
+    marks sit microseconds apart around the same calls, a few per micro-batch, so they agree
+    to well within 0.02 of the step."""
     job = make_job([*GPT, *layout, "train.steps=6", "train.warmup_steps=0",
                     "train.log_every=3", "checkpoint.every_steps=0"], tmp_path)
     ranks = job.launch.nproc_per_node
