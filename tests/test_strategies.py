@@ -184,7 +184,7 @@ def test_a_schedule_refuses_what_it_cannot_run_in_one_exact_line(overrides, mess
     assert assert_refused(["model=gpt", *overrides], message, tmp_path) == message
 
 
-# (start, end) perf_counter marks of this process's stage computations and schedule steps.
+# (start, end) perf_counter marks of this process's stage computations and training steps.
 STAGE_MARKS: dict[str, list[tuple[float, float]]] = {"busy": [], "steps": []}
 
 
