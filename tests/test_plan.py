@@ -190,9 +190,10 @@ def measure_peaks(job: Job, nodes: list[dict], repeats: int) -> list[int]:
 #: estimate does not hold).
 PP = "strategy=pp strategy.schedule="
 PEAK_LAYOUTS = {
-    # ddp and zero1 on this mlp measure 0.34 MB high in some builds (1.93 MB, not 1.59 MB): the
+    # zero1 on this mlp measures 0.34 MB high in some builds (rank 0: 1.93 MB, not 1.59 MB): the
     # buckets DDP replaces at its second step are freed on gloo's thread, unrecorded, and their
-    # addresses not reused before the peak. Asserted on the other jobs.
+    # addresses not reused before the peak. ddp replaces its buckets alike. Both are asserted
+    # on the other jobs.
     "2-mlp-adamw": (2, ["model=mlp"], "adamw", [
         "strategy=tp",
         *(f"{PP}{schedule} strategy.microbatches=4" for schedule in ("gpipe", "1f1b")),

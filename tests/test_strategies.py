@@ -12,9 +12,7 @@ import torch
 from torch.distributed import pipelining
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-from torch.distributed.pipelining.schedules import (
-    _PipelineSchedule,
-)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from mgpu.errors import ConfigError
