@@ -34,10 +34,15 @@ sweep: install ## an example sweep: strategy single/ddp x two learning rates, on
 
 # Two tests at a time: a test spends about half its time waiting on its processes' start-up
 # and rendezvous. The matrix and README tiers each stay on one worker (their launches are shared).
+# Then the `timing` tests, one at a time: their figures are shares of wall-clock time, which
+# another test's processes on the same cores would skew. Exit 5 is pytest's "none selected"
+# (ARGS naming only tests of the one kind).
 TEST_WORKERS ?= 2
 
 test: lint ## ruff, then the whole suite: unit, dist (process groups) and e2e (CLI) tiers
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 -m "not timing" \
+		$(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q --durations=5 -m timing $(ARGS) || [ $$? -eq 5 ]
 
 test-fast: install ## the unit tier only: no process groups, no CLI runs (< 2 min)
 	$(PY) -m pytest -q -m "not dist and not e2e" $(ARGS)

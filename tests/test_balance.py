@@ -314,6 +314,7 @@ def rebalances(output_dir: Path) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_throughput_moves_work_off_a_straggler_and_stays_exact(tmp_path):
     """Rank 1 three times as slow: the split moves toward rank 0 at the first rebalancing and
     then only further the same way (no oscillation); the weights equal one process's throughout.

@@ -316,6 +316,7 @@ def test_gpu_check_without_cuda_says_so_and_succeeds():
 SPIN = [sys.executable, "-c", "while True: pass"]
 
 
+@pytest.mark.timing
 def test_other_load_counts_a_process_outside_the_job_and_not_the_jobs_own(monkeypatch):
     """A process spinning outside the job's tree shows as other load (one core of the machine's
     throughout, less whatever it lost to the rest of the machine); the job's own spinning

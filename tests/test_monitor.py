@@ -290,6 +290,7 @@ def test_exporter_counts_the_samples_each_step_took_after_the_split_changes(tmp_
 
 
 @pytest.mark.e2e
+@pytest.mark.timing
 def test_monitored_run_breaks_down_steps_times_comm_serves_prometheus_and_traces(tmp_path):
     """One 2-rank DDP run with everything on; the node's exporter is scraped while it trains."""
     port = free_port()
