@@ -56,8 +56,10 @@ def launch(
     or with a `request` (a multi-node job: rank 0 opens the run) a `worker.Outcome`.
 
     `env` (the network group's settings) goes to the workers, which set it before any
-    communication library reads it. It is not set in this process: the fork server, started
-    once, would keep the first job's settings for every later job of a sweep.
+    communication library reads it, with the job's own flight-recorder paths. Neither is set
+    in this process: the fork server, started once, would keep the first job's settings for
+    every later job of a sweep. What is set here (`WORKER_ENV`, the job's root process) is the
+    same for every job.
     """
     # Workers fork from a server that has imported the worker code (and the default task's)
     # once per sweep, not per job; unlike plain fork, it holds no state of this process
@@ -84,12 +86,13 @@ def launch(
     )
     # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
     job_env = {JOB_PID_ENV: str(os.getpid())}
-    worker_env = {**WORKER_ENV, **job_env, **flight_recorder_env(job.output_dir)}
+    worker_env = {**WORKER_ENV, **job_env}
+    job_worker_env = {**env, **flight_recorder_env(job.output_dir)}
     failed_at = None
     with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
             start_method(config.start_method):
         try:
-            results = elastic_launch(config, worker.main)(job, run_id, env, request)
+            results = elastic_launch(config, worker.main)(job, run_id, job_worker_env, request)
         except ChildFailedError as error:
             if not switches_on_failure(error, job):
                 raise

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+import mgpu.launch as launch_module
 from mgpu.launch import describe_failure
-from tests.conftest import make_job
+from mgpu.model.mlp import MLP
+from tests.conftest import launch_job, make_job
 
 
 def error_file(output_dir: Path, local_rank: int, message: str) -> Path:
@@ -37,3 +42,32 @@ def test_hang_on_the_second_node_names_the_global_rank_that_never_came(tmp_path)
     waited = error_file(tmp_path, 0, "RuntimeError: at step 5: DistBackendError: Timed out")
     error = ChildFailedError("mgpu", {2: ProcessFailure(0, 100, 1, str(waited))})
     assert describe_failure(error, job).startswith("rank 3 hung at step 5: ")
+
+
+class FlightRecorderPathMLP(MLP):
+    """The MLP, whose forward also leaves a mark where this worker's flight recorder would
+    dump."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dump = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+        if dump:
+            Path(f"{dump}{os.environ['RANK']}.seen").write_text("")
+        return super().forward(x)
+
+
+@pytest.mark.dist
+def test_each_job_of_a_process_gives_its_workers_its_own_flight_recorder_path(
+        monkeypatch, tmp_path):
+    """Two jobs launched one after the other from one process (a sweep), whose workers fork
+    from one server started by the first: each job's ranks dump into that job's own logs, not
+    into the first job's, and not nowhere (the server's environment is fixed at its start).
+    The recorder is CUDA's; its paths are given here as on CUDA."""
+    monkeypatch.setattr(launch_module, "flight_recorder_env", lambda output_dir: {
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(output_dir, "logs", "nccl_trace_rank_")})
+    run = ["model._target_=tests.test_launch.FlightRecorderPathMLP", "train.steps=2",
+           "train.warmup_steps=0", "eval.every_steps=0", "checkpoint.every_steps=0"]
+    for name in ("first", "second"):
+        launch_job(run, tmp_path / name)
+    for name in ("first", "second"):
+        marks = sorted(p.name for p in (tmp_path / name / "logs").glob("nccl_trace_rank_*"))
+        assert marks == ["nccl_trace_rank_0.seen", "nccl_trace_rank_1.seen"], (name, marks)
