@@ -206,7 +206,8 @@ def flight_recorder_env(output_dir: str) -> dict[str, str]:
 
 @contextmanager
 def environment(variables: dict[str, str]):
-    """Set `variables` for the workers started inside, then restore: jobs of a sweep differ."""
+    """Set `variables` for the agent and the workers started inside, then restore: the fork
+    server, started by a process's first launch, keeps them for every later one."""
     saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     try:
