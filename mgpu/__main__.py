@@ -197,7 +197,7 @@ def main() -> None:
 
     On the way out the objects this process holds are frozen out of the garbage collector:
     the interpreter's last collection walks every one of them (torch, MLflow, Hydra) and took
-    2-3 s after the closing lines on the 2-core machine, which a user waited through for
+    2.2-2.4 s after the closing lines on the 2-core machine, which a user waited through for
     nothing. Only reference cycles go uncollected then: the run is closed and its files
     written by then, and the process's memory is returned as it ends."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach this handler instead of Hydra's

@@ -84,15 +84,16 @@ def launch(
         start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=str(elastic_log_dir(job))),
     )
-    # The job's own processes are this one and those under it (`mgpu.meter.OtherLoad`).
-    job_env = {JOB_PID_ENV: str(os.getpid())}
-    worker_env = {**WORKER_ENV, **job_env}
-    job_worker_env = {**env, **flight_recorder_env(job.output_dir)}
+    # process_env is set in this process, for the agent and the fork server: the same for every
+    # job it launches (the job's own processes are this one and those under it, as
+    # `mgpu.meter.OtherLoad` counts them). job_env goes to the workers, which set it.
+    process_env = {**WORKER_ENV, JOB_PID_ENV: str(os.getpid())}
+    job_env = {**env, **flight_recorder_env(job.output_dir)}
     failed_at = None
-    with environment(worker_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
+    with environment(process_env), agent_logs_to(elastic_log_dir(job) / "agent.log"), \
             start_method(config.start_method):
         try:
-            results = elastic_launch(config, worker.main)(job, run_id, job_worker_env, request)
+            results = elastic_launch(config, worker.main)(job, run_id, job_env, request)
         except ChildFailedError as error:
             if not switches_on_failure(error, job):
                 raise

@@ -59,7 +59,7 @@ def start_task(
 
 def freeze_imported_objects() -> None:
     """Move every object this process holds before its task (the modules it imported: torch,
-    MLflow, mgpu; some 500,000 objects) out of the garbage collector's reach. They live as long
+    MLflow, mgpu; some 440,000 objects) out of the garbage collector's reach. They live as long
     as the process, yet each full collection walked them all, 0.29-0.36 s apiece on the 2-core
     machine. In the default run each rank had one while importing at its start and one as it
     shut down, and rank 0 one mid-training (a module imported late), which held rank 1 at the
