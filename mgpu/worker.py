@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -37,7 +36,6 @@ def main(
     its job to every rank (`run_owned_by_rank0`).
     """
     os.environ.update(env or {})
-    freeze_imported_objects()
     if request is not None:
         return run_owned_by_rank0(job, Options.of(job.groups()), request, env or {})
     # The launcher ends a failed group with SIGTERM: an exception, so the task closes (its
@@ -55,16 +53,6 @@ def start_task(
 ) -> dict[str, float]:
     """The job's task on this rank: train (the default) or another, e.g. task=commbench."""
     return options.task.run(job, options, runtime, run_id)
-
-
-def freeze_imported_objects() -> None:
-    """Move every object this process holds before its task (the modules it imported: torch,
-    MLflow, mgpu; some 440,000 objects) out of the garbage collector's reach. They live as long
-    as the process, yet each full collection walked them all, 0.29-0.36 s apiece on the 2-core
-    machine. In the default run each rank had one while importing at its start and one as it
-    shut down, and rank 0 one mid-training (a module imported late), which held rank 1 at the
-    next all-reduce: 0.32-0.64 s a rank, 0.02-0.14 s once frozen."""
-    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -97,7 +85,6 @@ def main_under_torchrun(
     same command line, so they are the same on every rank."""
     env = options.network.env()
     os.environ.update(env)  # before the process group reads it
-    freeze_imported_objects()
     return run_owned_by_rank0(job, options, RunRequest(choices, overrides), env)
 
 
